@@ -1,0 +1,56 @@
+"""shardlib: JAX-style sharding for PyTorch.
+
+Declare a :class:`Mesh` with named axes, put :class:`PartitionSpec` s on parameters, and call
+:func:`shard`. This module is the whole public surface; ``__all__`` lists it.
+"""
+
+from .errors import ShardingError, WorkerError
+from .mesh import (
+    AbstractMesh,
+    Mesh,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    current_mesh,
+    init_mesh,
+    launch,
+    ppermute,
+    pvary,
+    reduce_scatter,
+)
+from .optim import ZeroOptimizer, clip_grad_norm_
+from .plan import ChunkPlan, ParamPlan, Plan, plan
+from .shard import ShardedModule, full_grads, full_state_dict, shard
+from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
+
+__all__ = [
+    "ShardingError",
+    "WorkerError",
+    "AbstractMesh",
+    "Mesh",
+    "init_mesh",
+    "current_mesh",
+    "launch",
+    "all_reduce",
+    "pvary",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "ppermute",
+    "PartitionSpec",
+    "P",
+    "NamedSharding",
+    "annotate",
+    "logical_to_mesh",
+    "distribute",
+    "plan",
+    "Plan",
+    "ParamPlan",
+    "ChunkPlan",
+    "shard",
+    "ShardedModule",
+    "ZeroOptimizer",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "full_grads",
+]

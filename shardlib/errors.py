@@ -1,0 +1,40 @@
+"""The error family of shardlib.
+
+Every user-facing error is a :class:`ShardingError` (a ``ValueError``) raised at plan time, on
+every rank, before any communication. Messages follow JAX's ``_spec_divisibility_error``: what
+was given (parameter name, shape, spec), the mesh, the rule broken, and a fix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ShardingError", "WorkerError"]
+
+
+class ShardingError(ValueError):
+    """A mesh, spec, plan option or input that shardlib cannot lower.
+
+    Raised identically on every rank before the first collective, so no rank is left waiting.
+    """
+
+
+class WorkerError(RuntimeError):
+    """A worker process of :func:`shardlib.launch` (or the test pool) failed.
+
+    Attributes:
+        rank: the global rank that failed first.
+        exc_type: the name of the exception class raised on that rank.
+        remote_traceback: the formatted traceback from that rank.
+        errors: ``{rank: (exc_type, message)}`` for every rank that reported an error before the
+            workers were stopped (all ranks, for an error raised identically at plan time).
+    """
+
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str = "", errors=None):
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+        self.errors = dict(errors or {rank: (exc_type, message)})
+        super().__init__(f"rank {rank} failed with {exc_type}: {message}\n\n{remote_traceback}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.exc_type, self.message, self.remote_traceback, self.errors))

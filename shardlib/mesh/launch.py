@@ -1,0 +1,227 @@
+"""Local multi-process runs on CPU: ``launch`` and the reusable worker group behind it.
+
+Each worker is a spawned process with ``OMP_NUM_THREADS=1`` that joins a gloo process group
+through a ``FileStore`` in a fresh temporary directory (no ports to race for). Functions and
+arguments travel with ``cloudpickle``, so functions defined in a notebook or a test work.
+
+Failure semantics: when a rank raises, the others get a short grace period to report; if any
+rank is still busy after it (waiting in a collective for the rank that failed), every worker is
+killed at once, and :class:`~shardlib.errors.WorkerError` carries the failing rank's message and
+traceback. Nothing waits for a collective timeout to learn that a peer is gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait as _wait_conns
+from typing import Any, Callable
+
+import cloudpickle
+
+from ..errors import WorkerError
+
+__all__ = ["launch", "WorkerGroup"]
+
+
+def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["SHARDLIB_TIMEOUT"] = str(timeout_s)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        try:
+            fn, args, kwargs, path = cloudpickle.loads(msg)
+            for p in path:
+                if p not in sys.path:
+                    sys.path.append(p)
+            result = fn(*args, **kwargs)
+            conn.send(("ok", cloudpickle.dumps(result)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
+            conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerGroup:
+    """``nprocs`` spawned worker processes joined in one gloo process group, reused across runs.
+
+    Args:
+        nprocs: number of ranks (world size).
+        timeout: seconds a collective may take inside the workers (``SHARDLIB_TIMEOUT``).
+
+    ``run(fn, *args)`` calls ``fn(*args)`` on every rank and returns the list of results by rank.
+    After a failure that leaves a rank stuck, the group is closed; ``alive`` tells.
+    """
+
+    def __init__(self, nprocs: int, timeout: float = 120.0):
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        self.nprocs = nprocs
+        self.timeout = timeout
+        self._dir = tempfile.mkdtemp(prefix="shardlib-")
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        old = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for rank in range(nprocs):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main,
+                    args=(rank, nprocs, os.path.join(self._dir, "store"), timeout, child),
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        finally:
+            if old is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = old
+        self.alive = True
+        self._collect(None, startup=True)
+
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; results in rank order.
+
+        Raises:
+            WorkerError: a rank raised (the lowest failing rank is named; ``errors`` has all of
+                them), died, or did not answer within ``timeout`` seconds (default: the group's
+                collective timeout plus a minute).
+        """
+        if not self.alive:
+            raise RuntimeError("this WorkerGroup was closed after a failure; make a new one")
+        payload = cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
+        for conn in self._conns:
+            conn.send(payload)
+        return self._collect(timeout if timeout is not None else self.timeout + 60)
+
+    def _collect(self, timeout, startup=False):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple[str, str, str]] = {}
+        pending = dict(enumerate(self._conns))
+        grace_end = None
+        while pending:
+            now = time.monotonic()
+            limit = min(x for x in (deadline, grace_end, now + 3600) if x is not None)
+            ready = _wait_conns(list(pending.values()), timeout=max(0.0, limit - now))
+            if not ready:
+                break  # deadline or grace period over
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                try:
+                    kind, value = conn.recv()
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    errors[rank] = ("ProcessExit", f"worker process exited (exit code {code})", "")
+                    del pending[rank]
+                    continue
+                del pending[rank]
+                if kind == "ok":
+                    results[rank] = cloudpickle.loads(value)
+                elif kind == "ready":
+                    results[rank] = None
+                else:
+                    errors[rank] = value
+                    if grace_end is None:
+                        grace_end = time.monotonic() + 5.0
+        if pending or errors:
+            if pending:
+                self.close()
+            if errors:
+                first = min(errors)
+                exc_type, message, tb = errors[first]
+                summary = {r: (t, m) for r, (t, m, _) in sorted(errors.items())}
+                if pending:
+                    message += f" (ranks {sorted(pending)} were still running and were stopped)"
+                raise WorkerError(first, exc_type, message, tb, summary)
+            what = "start" if startup else "finish"
+            raise WorkerError(
+                min(pending),
+                "TimeoutError",
+                f"ranks {sorted(pending)} did not {what} within {timeout} s; all workers were stopped",
+            )
+        return [results[r] for r in range(self.nprocs)]
+
+    def close(self) -> None:
+        """Stop every worker (killing any that does not exit at once) and remove the store."""
+        if not getattr(self, "alive", False) and not self._procs:
+            return
+        self.alive = False
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 600.0) -> list:
+    """Run ``fn(*args)`` on ``nprocs`` local CPU processes (gloo) and return each rank's result.
+
+    For notebooks and tests; production runs use ``torchrun``. Inside ``fn``,
+    ``torch.distributed`` is initialized (world size ``nprocs``), so ``init_mesh`` just builds
+    the groups. ``fn`` and ``args`` are sent with cloudpickle: functions defined in a notebook
+    cell work.
+
+    Args:
+        fn: the per-rank function; its return value must be picklable.
+        nprocs: number of processes (world size).
+        timeout: seconds each collective may take, and (plus a minute) the whole run.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        WorkerError: a rank raised; every rank is stopped, and the error names the rank and
+            carries its message and traceback.
+
+    Example:
+        >>> def work():
+        ...     import shardlib, torch
+        ...     mesh = shardlib.init_mesh({"dp": 2})
+        ...     return shardlib.all_reduce(torch.ones(1), "dp").item()
+        >>> launch(work, 2)
+        [2.0, 2.0]
+    """
+    with WorkerGroup(nprocs, timeout=timeout) as group:
+        return group.run(fn, *args)
+

@@ -1,0 +1,287 @@
+"""Mesh: named axes over ranks, and the process groups that go with them.
+
+The ranks form a grid ``arange(world).reshape(sizes)`` (picotron's ``process_group_manager``,
+JAX's device mesh, torch's DeviceMesh): axis order is outer to inner, the last axis varies
+fastest. The group of an axis holds the ranks that differ only in that axis' coordinate.
+
+:class:`AbstractMesh` has names and sizes only (JAX's ``AbstractMesh``): the planner and most
+tests reason about it without any process group. :class:`Mesh` adds the groups.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import os
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+import numpy as np
+
+from ..errors import ShardingError
+from .comm import CommCounter
+
+__all__ = ["AbstractMesh", "Mesh", "init_mesh", "current_mesh", "default_timeout"]
+
+Axis = Union[str, Sequence[str], None]
+
+_CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("shardlib_mesh", default=None)
+_DEFAULT: list["Mesh"] = []  # the mesh init_mesh made last; read only by current_mesh()
+
+
+def default_timeout() -> datetime.timedelta:
+    """Timeout of every collective, from ``SHARDLIB_TIMEOUT`` (seconds, default 600)."""
+    return datetime.timedelta(seconds=float(os.environ.get("SHARDLIB_TIMEOUT", "600")))
+
+
+def _check_shape(shape: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(shape, Mapping) or not shape:
+        raise ShardingError(
+            f"a mesh shape is a non-empty dict from axis name to size, like {{'dp': 2, 'tp': 2}}; got {shape!r}"
+        )
+    out: dict[str, int] = {}
+    for name, size in shape.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ShardingError(
+                f"mesh axis name {name!r} in {dict(shape)} is not a valid name; use identifiers such as 'dp', 'tp', 'pp'"
+            )
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or int(size) < 1:
+            raise ShardingError(
+                f"mesh axis {name!r} has size {size!r} in {dict(shape)}; every axis size must be an integer >= 1 "
+                "(a size of 1 is allowed and costs nothing)"
+            )
+        out[name] = int(size)
+    return out
+
+
+class AbstractMesh:
+    """Named mesh axes and their sizes, seen from one rank; no process groups.
+
+    Args:
+        shape: ``{axis_name: size}``, outer axis first (the last axis varies fastest over ranks).
+        rank: the global rank whose coordinates :meth:`index` reports (default 0).
+
+    Raises:
+        ShardingError: an empty shape, an axis name that is not an identifier, a size < 1, or a
+            rank outside ``[0, product of sizes)``.
+
+    Example:
+        >>> m = AbstractMesh({"dp": 2, "tp": 2}, rank=3)
+        >>> m.index("dp"), m.index("tp"), m.size(), m.size(("dp", "tp"))
+        (1, 1, 4, 4)
+    """
+
+    def __init__(self, shape: Mapping[str, int], rank: int = 0):
+        self._shape = _check_shape(shape)
+        self._grid = np.arange(int(np.prod(list(self._shape.values())))).reshape(tuple(self._shape.values()))
+        if not 0 <= rank < self._grid.size:
+            raise ShardingError(f"rank {rank} is outside the mesh {self._shape} of {self._grid.size} ranks")
+        self.rank = int(rank)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(self._shape)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self._shape)
+
+    def _axes(self, axis: Axis) -> tuple[str, ...]:
+        if axis is None:
+            return self.axis_names
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        for name in names:
+            if name not in self._shape:
+                raise ShardingError(f"axis {name!r} is not in the mesh {self._shape}; its axes are {list(self._shape)}")
+        if len(set(names)) != len(names):
+            raise ShardingError(f"axes {names} name an axis twice")
+        return names
+
+    def size(self, axis: Axis = None) -> int:
+        """Number of ranks along ``axis`` (a name or tuple of names; ``None``: the whole mesh)."""
+        return int(np.prod([self._shape[a] for a in self._axes(axis)], dtype=np.int64))
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """``{axis: coordinate}`` of ``rank`` (default: this mesh's rank)."""
+        rank = self.rank if rank is None else rank
+        idx = np.unravel_index(rank, self._grid.shape)
+        return {name: int(i) for name, i in zip(self._shape, idx)}
+
+    def index(self, axis: Axis) -> int:
+        """This rank's coordinate along ``axis``; over a tuple of axes, the linear index (first outer)."""
+        coords = self.coords()
+        index = 0
+        for name in self._axes(axis):
+            index = index * self._shape[name] + coords[name]
+        return index
+
+    def axis_ranks(self, axis: Axis, rank: int | None = None) -> list[int]:
+        """Global ranks in ``rank``'s group along ``axis``, ordered by their index along it."""
+        names = self._axes(axis)
+        coords = self.coords(rank)
+        order = [n for n in self._shape if n not in names] + list(names)
+        grid = self._grid.transpose([list(self._shape).index(n) for n in order])
+        fixed = tuple(coords[n] for n in self._shape if n not in names)
+        return [int(r) for r in grid[fixed].reshape(-1)]
+
+    def all_groups(self, axis: Axis) -> list[list[int]]:
+        """Every group along ``axis`` (lists of global ranks), in a fixed order all ranks agree on."""
+        names = self._axes(axis)
+        others = [n for n in self._shape if n not in names]
+        order = others + list(names)
+        grid = self._grid.transpose([list(self._shape).index(n) for n in order])
+        return [list(map(int, row)) for row in grid.reshape(-1, self.size(names))]
+
+    def abstract(self) -> "AbstractMesh":
+        return AbstractMesh(self._shape, self.rank)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {v}" for k, v in self._shape.items())
+        return f"{type(self).__name__}({{{inner}}}, rank={self.rank})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, AbstractMesh) and self._shape == other._shape and self.rank == other.rank
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._shape.items()), self.rank))
+
+
+# One cache of groups per process, keyed by the default group and the ranks: new_group must be
+# called collectively by every rank in the same order, so reuse keeps meshes cheap in test pools.
+_GROUP_CACHE: dict[tuple, object] = {}
+
+
+class Mesh(AbstractMesh):
+    """A mesh over the ranks of the initialized default process group.
+
+    Args:
+        shape: ``{axis_name: size}``; the product must equal ``torch.distributed`` world size.
+        timeout: seconds each collective may take before it fails (default
+            :func:`default_timeout`).
+
+    Attributes:
+        comm: a :class:`~shardlib.mesh.comm.CommCounter` of logical bytes by axis and kind.
+
+    Raises:
+        ShardingError: bad shape, or a product of sizes different from the world size.
+
+    Use :func:`init_mesh` rather than this constructor; ``with mesh:`` makes it the mesh that
+    collectives use when none is passed.
+    """
+
+    def __init__(self, shape: Mapping[str, int], timeout: float | None = None):
+        import torch.distributed as dist
+
+        shape = _check_shape(shape)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        product = int(np.prod(list(shape.values())))
+        if product != world:
+            raise ShardingError(
+                f"the mesh {shape} has {product} ranks but the world size is {world}. "
+                f"Fix: choose axis sizes whose product is {world}, or launch {product} processes "
+                f"(torchrun --nproc-per-node {product})"
+            )
+        super().__init__(shape, dist.get_rank() if dist.is_initialized() else 0)
+        self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
+        self.comm = CommCounter()
+        self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        self._groups: dict[tuple[str, ...], object] = {}
+        for name in self.axis_names:
+            self.group(name)
+        self._tokens: list = []
+
+    def group(self, axis: Axis):
+        """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
+
+        Groups for tuples of axes are created on first use: every rank must ask for them in the
+        same order (true of SPMD code), as ``torch.distributed.new_group`` requires.
+        """
+        import torch.distributed as dist
+
+        names = self._axes(axis)
+        if names not in self._groups:
+            if not dist.is_initialized():
+                self._groups[names] = None
+                return None
+            mine = None
+            for ranks in self.all_groups(names):
+                key = (id(dist.group.WORLD), tuple(ranks), self.timeout)
+                if key not in _GROUP_CACHE:
+                    _GROUP_CACHE[key] = dist.new_group(ranks, timeout=self.timeout, backend=self.backend)
+                if self.rank in ranks:
+                    mine = _GROUP_CACHE[key]
+            self._groups[names] = mine
+        return self._groups[names]
+
+    def __enter__(self) -> "Mesh":
+        self._tokens.append(_CURRENT.set(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT.reset(self._tokens.pop())
+
+
+def current_mesh() -> Mesh:
+    """The mesh of the innermost ``with mesh:`` block, else the last one :func:`init_mesh` made.
+
+    Raises:
+        ShardingError: no mesh exists yet.
+    """
+    mesh = _CURRENT.get() or (_DEFAULT[-1] if _DEFAULT else None)
+    if mesh is None:
+        raise ShardingError("no mesh: call init_mesh({'dp': N, ...}) first, or pass mesh=")
+    return mesh
+
+
+def init_mesh(shape: Mapping[str, int], timeout: float | None = None) -> Mesh:
+    """Create a :class:`Mesh`, initializing ``torch.distributed`` first if needed.
+
+    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and picks
+    NCCL when CUDA is available, else gloo. Without that environment and with a one-rank
+    shape, a single-process gloo group is made, so the same script runs unlaunched.
+
+    Args:
+        shape: ``{axis: size}``, outer to inner; the product must equal the world size.
+        timeout: seconds before a collective fails (default ``SHARDLIB_TIMEOUT`` or 600).
+
+    Returns:
+        The mesh; it also becomes the default mesh for collectives called without ``mesh=``.
+
+    Raises:
+        ShardingError: bad shape (empty, size < 1, bad name) or a product != world size; raised
+            on every rank, before any communication.
+
+    Example:
+        >>> mesh = init_mesh({"dp": 1})
+        >>> mesh.size("dp"), mesh.index("dp")
+        (1, 0)
+    """
+    import torch
+    import torch.distributed as dist
+
+    shape = _check_shape(shape)
+    product = int(np.prod(list(shape.values())))
+    tmo = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            world = int(os.environ["WORLD_SIZE"])
+            if product != world:  # checked before the rendezvous, so no rank waits for the others
+                raise ShardingError(
+                    f"the mesh {shape} has {product} ranks but WORLD_SIZE is {world}. "
+                    f"Fix: choose axis sizes whose product is {world}, or launch {product} processes"
+                )
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=tmo)
+        elif product == 1:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=tmo)
+        else:
+            raise ShardingError(
+                f"the mesh {shape} needs {product} processes but torch.distributed is not initialized and "
+                "no torchrun environment is set. Fix: run under `torchrun --nproc-per-node "
+                f"{product} script.py`, or use shardlib.launch(fn, {product}) in a notebook"
+            )
+    mesh = Mesh(shape, timeout=tmo.total_seconds())
+    _DEFAULT[:] = [mesh]
+    return mesh

@@ -1,0 +1,5 @@
+"""The strategies a Plan lowers to: one file per technique."""
+
+from .zero import ZeroRuntime
+
+__all__ = ["ZeroRuntime"]

@@ -1,0 +1,408 @@
+"""ZeRO data parallelism over chunked flat buffers (stages 0-3).
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(arXiv 1910.02054), with ColossalAI Gemini's chunks: parameters are packed, in registration
+order, into flat chunks padded to a multiple of the data-axis size ``N``; a chunk is the unit of
+every collective, and rank ``i`` owns elements ``[i * S, (i + 1) * S)`` of each (``S = P / N``).
+
+Per rank, between steps (``P`` = padded elements of a chunk):
+
+=======  ==================  =====================  ==========================================
+stage    parameters           gradients              communication per step
+=======  ==================  =====================  ==========================================
+0 (DDP)  full ``P``           full ``P``             all-reduce of gradients (avg)
+1        full ``P``           full ``P``             reduce-scatter grads, all-gather params
+2        full ``P``           shard ``S``            reduce-scatter grads, all-gather params
+3        shard ``S``          shard ``S``            all-gather in forward and in backward,
+                                                     reduce-scatter grads
+=======  ==================  =====================  ==========================================
+
+The optimizer updates one flat tensor per trainable chunk: the full chunk (stage 0) or the
+rank's shard (stages 1-3), so optimizer state is sharded from stage 1.
+
+Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.data`` pointing
+into their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook``;
+a chunk is reduced once all its trainable parameters have their gradient, in a fixed order
+(descending chunk index) so every rank issues the same collectives in the same order, as DDP's
+buckets do. Stage 3 frees a chunk's storage (``untyped_storage().resize_(0)``, FSDP's way) after
+the forward of the last module using it, gathers it again in backward (on the first saved
+tensor that needs it, or its first gradient), prefetching the next chunk in each direction;
+saved tensors that are views of a chunk are stored as (chunk, strides) by
+``saved_tensors_hooks`` and rebuilt from the re-gathered storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..mesh.collectives import Handle, raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
+
+__all__ = ["ZeroRuntime"]
+
+
+class _Chunk:
+    """Runtime state of one planned chunk."""
+
+    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int):
+        self.plan = plan
+        self.index = plan.index
+        self.params = params  # (param, offset), unique params in order
+        self.trainable = plan.requires_grad
+        p, s = plan.padded_numel, plan.shard_numel
+        self.full = torch.zeros(p, dtype=plan.dtype, device=params[0][0].device)
+        for prm, off in params:
+            self.full[off : off + prm.numel()].copy_(prm.detach().reshape(-1))
+        slot = slice(data_index * s, (data_index + 1) * s)
+        self.slot = slot
+        if stage == 3:
+            self.shard = self.full[slot].clone()
+        elif stage == 0:
+            self.shard = self.full
+        else:
+            self.shard = self.full[slot]
+        for prm, off in params:
+            prm.data = self.full[off : off + prm.numel()].view(prm.shape)
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.opt_param: nn.Parameter | None = None
+        if self.trainable:
+            if stage in (0, 1):
+                self.grad_full = torch.zeros_like(self.full)
+            if stage == 0:
+                self.grad_shard = self.grad_full
+            elif stage == 1:
+                self.grad_shard = self.grad_full[slot]
+            else:
+                self.grad_shard = torch.zeros_like(self.shard)
+            self.opt_param = nn.Parameter(self.shard, requires_grad=True)
+            self.opt_param.grad = self.grad_shard
+        self.gathered = True
+        self.gather_handle: Handle | None = None
+        self.reduce_handle: Handle | None = None
+        self.ready: set[int] = set()
+        self.n_trainable = len(params) if self.trainable else 0
+        self.carry: torch.Tensor | None = None  # stage 1: reduced grads kept across sync steps
+        self.reduced = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+
+class ZeroRuntime:
+    """Installs ZeRO on ``model`` as ``plan`` says; used by ShardedModule and ZeroOptimizer.
+
+    Args:
+        model: the module; its parameters become views into flat chunks.
+        plan: the :class:`~shardlib.plan.Plan` (``zero_stage``, ``data_axes``, chunks).
+        mesh: the :class:`~shardlib.Mesh` the data axes belong to.
+    """
+
+    def __init__(self, model: nn.Module, plan, mesh):
+        self.model, self.plan, self.mesh = model, plan, mesh
+        self.stage = plan.effective_stage
+        self.axes = plan.data_axes
+        self.n = plan.data_size
+        index = mesh.index(self.axes) if self.axes else 0
+        by_name = dict(model.named_parameters())
+        members: list[list] = [[] for _ in plan.chunks]
+        self.param_chunk: dict[int, _Chunk] = {}
+        for pp in plan.params:
+            members[pp.chunk].append((by_name[pp.name], pp.offset))
+        self.sync = True
+        self.unsynced = False  # the last backward ran inside no_sync()
+        self._handles: list = []
+        # Same starting values on every rank (DDP broadcasts at construction too).
+        if self.n > 1:
+            for ms in members:
+                flat = torch.cat([p.detach().reshape(-1) for p, _ in ms])
+                raw_broadcast(flat, mesh, self.axes)
+                for p, off in ms:
+                    start = off - ms[0][1]
+                    with torch.no_grad():
+                        p.copy_(flat[start : start + p.numel()].view(p.shape))
+            self.broadcast_buffers()
+        self.chunks = [_Chunk(c, members[c.index], self.stage, index) for c in plan.chunks]
+        for chunk in self.chunks:
+            for prm, _ in chunk.params:
+                self.param_chunk[id(prm)] = chunk
+        if self.stage == 0:
+            self._attach_grad_views()
+        self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
+        self._next_reduce = 0
+        self._callback_queued = False
+        self._hooks = []
+        for chunk in self.chunks:
+            if chunk.trainable:
+                for prm, _ in chunk.params:
+                    self._hooks.append(prm.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.stage == 3:
+            self._setup_stage3()
+
+    # -- set-up helpers ------------------------------------------------------------------------
+    def broadcast_buffers(self) -> None:
+        """Copy every floating buffer from the data-axis root to the other data ranks."""
+        if self.n > 1:
+            for buf in self.model.buffers():
+                raw_broadcast(buf.data if buf.is_contiguous() else buf.data.contiguous(), self.mesh, self.axes)
+
+    def _attach_grad_views(self) -> None:
+        for chunk in self.chunks:
+            if chunk.trainable:
+                for prm, off in chunk.params:
+                    prm.grad = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
+
+    # -- backward: gradients -------------------------------------------------------------------
+    def _on_grad_ready(self, prm: nn.Parameter) -> None:
+        chunk = self.param_chunk[id(prm)]
+        self._queue_callback()
+        off = next(o for p, o in chunk.params if p is prm)
+        n = prm.numel()
+        if self.stage == 0:
+            view = chunk.grad_full[off : off + n]
+            if prm.grad.data_ptr() != view.data_ptr():  # grads were set to None by someone
+                view.add_(prm.grad.reshape(-1))
+                prm.grad = view.view(prm.shape)
+        else:
+            if self.stage == 3:
+                self._backward_touch(chunk)
+            if chunk.grad_full is None:
+                chunk.grad_full = torch.zeros_like(chunk.full)
+            elif self.stage == 1 and chunk.reduced and chunk.carry is None:
+                chunk.carry = chunk.grad_shard.clone()  # reduced grads of an earlier sync step
+                chunk.grad_full.zero_()
+            chunk.grad_full[off : off + n].add_(prm.grad.reshape(-1))
+            prm.grad = None
+        chunk.ready.add(id(prm))
+        if len(chunk.ready) == chunk.n_trainable:
+            if self.stage == 3:
+                self._free(chunk)
+            self._launch_ready()
+
+    def _queue_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _launch_ready(self, force: bool = False) -> None:
+        if not self.sync:
+            return
+        while self._next_reduce < len(self._trainable_order):
+            chunk = self._trainable_order[self._next_reduce]
+            if not force and len(chunk.ready) < chunk.n_trainable:
+                return
+            self._launch_reduce(chunk)
+            self._next_reduce += 1
+
+    def _launch_reduce(self, chunk: _Chunk) -> None:
+        if self.stage == 0:
+            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True)
+            return
+        if chunk.grad_full is None:
+            chunk.grad_full = torch.zeros_like(chunk.full)
+        if self.stage == 1:
+            chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg")
+        else:
+            tmp = torch.empty_like(chunk.grad_shard)
+            chunk.reduce_handle = raw_reduce_scatter(tmp, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg")
+            chunk.reduce_tmp = tmp
+
+    def _finish_reduce(self, chunk: _Chunk) -> None:
+        if chunk.reduce_handle is None:
+            return
+        chunk.reduce_handle.wait()
+        chunk.reduce_handle = None
+        if self.stage == 1:
+            s = chunk.slot
+            chunk.grad_full[: s.start].zero_()
+            chunk.grad_full[s.stop :].zero_()
+            if chunk.carry is not None:
+                chunk.grad_shard.add_(chunk.carry)
+                chunk.carry = None
+            chunk.reduced = True
+        elif self.stage >= 2:
+            chunk.grad_shard.add_(chunk.reduce_tmp)
+            chunk.reduce_tmp = None
+            chunk.grad_full = None
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.unsynced = not self.sync
+        if self.sync:
+            self._launch_ready(force=True)
+            for chunk in self.chunks:
+                self._finish_reduce(chunk)
+            self._next_reduce = 0
+        for chunk in self.chunks:
+            chunk.ready.clear()
+        if self.stage == 3:
+            for chunk in self.chunks:
+                self._free(chunk)
+            self._bwd_next = len(self.chunks) - 1
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            if not chunk.trainable:
+                continue
+            chunk.grad_shard.zero_()
+            if chunk.grad_full is not None and self.stage in (0, 1):
+                chunk.grad_full.zero_()
+            elif self.stage >= 2:
+                chunk.grad_full = None
+            chunk.carry, chunk.reduced = None, False
+        if self.stage == 0:
+            self._attach_grad_views()
+
+    # -- optimizer support ---------------------------------------------------------------------
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """The flat tensors the optimizer updates: full chunks (stage 0) or this rank's shards."""
+        return [c.opt_param for c in self.chunks if c.trainable]
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """Gradients whose elements this rank alone counts toward a global norm."""
+        return [c.grad_shard for c in self.chunks if c.trainable]
+
+    def grads_replicated(self) -> bool:
+        """True when every data rank holds the same full gradients (stage 0)."""
+        return self.stage == 0
+
+    def after_step(self) -> None:
+        """Bring updated shards back into the full parameters (stages 1 and 2)."""
+        if self.stage in (1, 2):
+            handles = [raw_all_gather(c.full, c.shard, self.mesh, self.axes, async_op=True) for c in self.chunks if c.trainable]
+            for h in handles:
+                h.wait()
+
+    # -- stage 3: parameter gathering ----------------------------------------------------------
+    def _setup_stage3(self) -> None:
+        for chunk in self.chunks:
+            chunk.full.untyped_storage().resize_(0)
+            chunk.gathered = False
+        self._bwd_next = len(self.chunks) - 1
+        self._fwd_next = 0
+        self._module_chunks: dict[nn.Module, list[_Chunk]] = {}
+        self._static_uses = [0] * len(self.chunks)
+        for module in self.model.modules():
+            chunks = sorted({self.param_chunk[id(p)].index for p in module._parameters.values() if p is not None and id(p) in self.param_chunk})
+            if chunks:
+                self._module_chunks[module] = [self.chunks[i] for i in chunks]
+                for i in chunks:
+                    self._static_uses[i] += 1
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(module.register_forward_hook(self._post_forward))
+        self._uses = list(self._static_uses)
+        self._storage_ptr: dict[int, _Chunk] = {}
+
+    def _gather(self, chunk: _Chunk) -> None:
+        if chunk.gathered:
+            return
+        chunk.full.untyped_storage().resize_(chunk.nbytes)
+        chunk.gather_handle = raw_all_gather(chunk.full, chunk.shard, self.mesh, self.axes, async_op=True)
+        chunk.gathered = True
+        self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
+
+    def _wait(self, chunk: _Chunk) -> None:
+        if chunk.gather_handle is not None:
+            chunk.gather_handle.wait()
+            chunk.gather_handle = None
+
+    def _free(self, chunk: _Chunk) -> None:
+        if not chunk.gathered or self.stage != 3:
+            return
+        self._wait(chunk)
+        self._storage_ptr.pop(chunk.full.untyped_storage().data_ptr(), None)
+        chunk.full.untyped_storage().resize_(0)
+        chunk.gathered = False
+
+    def root_pre_forward(self) -> None:
+        if self.plan.broadcast_buffers:
+            self.broadcast_buffers()
+        if self.stage == 3:
+            self._uses = list(self._static_uses)
+            self._fwd_next = 0
+
+    def root_post_forward(self) -> None:
+        if self.stage == 3:
+            for chunk in self.chunks:
+                self._free(chunk)
+            self._bwd_next = len(self.chunks) - 1
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        chunks = self._module_chunks[module]
+        top = max(c.index for c in chunks)
+        for i in range(self._fwd_next, top + 1):
+            self._gather(self.chunks[i])
+        self._fwd_next = max(self._fwd_next, top + 1)
+        for c in chunks:
+            self._gather(c)  # a chunk freed earlier in this forward (a module called twice)
+        if self._fwd_next < len(self.chunks):  # prefetch the next chunk
+            self._gather(self.chunks[self._fwd_next])
+            self._fwd_next += 1
+        for c in chunks:
+            self._wait(c)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for c in self._module_chunks[module]:
+            self._uses[c.index] -= 1
+            if self._uses[c.index] <= 0:
+                self._free(c)
+
+    def _backward_touch(self, chunk: _Chunk) -> None:
+        """Gather ``chunk`` (and every chunk above it not yet gathered) in backward order."""
+        self._queue_callback()
+        if chunk.gathered:
+            self._wait(chunk)
+            return
+        for i in range(self._bwd_next, chunk.index - 1, -1):
+            self._gather(self.chunks[i])
+        self._bwd_next = min(self._bwd_next, chunk.index - 1)
+        self._gather(chunk)
+        if self._bwd_next >= 0:  # prefetch the next chunk backward
+            self._gather(self.chunks[self._bwd_next])
+            self._bwd_next -= 1
+        self._wait(chunk)
+
+    def pack(self, t: torch.Tensor):
+        if self.stage != 3 or t.device.type == "meta":
+            return t
+        chunk = self._storage_ptr.get(t.untyped_storage().data_ptr())
+        if chunk is None or t.untyped_storage().nbytes() == 0:
+            return t
+        return (_SavedChunkView, chunk, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple) and packed and packed[0] is _SavedChunkView:
+            _, chunk, shape, stride, offset, dtype = packed
+            self._backward_touch(chunk)
+            base = chunk.full if chunk.full.dtype == dtype else chunk.full.view(dtype)
+            return base.as_strided(shape, stride, offset)
+        return packed
+
+    # -- full tensors ----------------------------------------------------------------------------
+    def full_chunk(self, chunk: _Chunk) -> torch.Tensor:
+        """A full copy of a chunk's parameters (gathers under stage 3)."""
+        if self.stage != 3:
+            return chunk.full.clone()
+        out = chunk.shard.new_empty(chunk.plan.padded_numel)
+        raw_all_gather(out, chunk.shard, self.mesh, self.axes)
+        return out
+
+    def full_grad_chunk(self, chunk: _Chunk) -> torch.Tensor:
+        """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
+        if self.stage == 0:
+            return chunk.grad_full.clone()
+        out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
+        raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes)
+        return out
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class _SavedChunkView:
+    """Marker for a saved tensor rebuilt from a re-gathered chunk in backward."""

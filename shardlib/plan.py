@@ -1,0 +1,470 @@
+"""The planner: specs + mesh + options -> a :class:`Plan`, checked before anything moves.
+
+``plan()`` is pure and deterministic: the same model, mesh and options give the same plan on
+every rank, and every user error is raised here, on every rank, before the first collective.
+
+Lowering order (fixed, as torchtitan's ``parallelize``): validate specs against the mesh and
+the tensors; choose each parameter's strategy; pack the parameters managed along the data axes
+into ZeRO chunks (registration order, one chunk per (dtype, trainable) run of at most
+``chunk_size`` elements, padded to a multiple of the data-axis size; ColossalAI Gemini's chunk
+design); then cost the result (model-state bytes per rank, communicated bytes per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ShardingError
+from .mesh.comm import ring_bytes
+from .spec import PartitionSpec, resolve_specs
+
+__all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
+
+DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
+DATA_AXIS_NAMES = ("dp", "fsdp")
+_OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules"}
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The decision for one unique parameter.
+
+    Attributes:
+        name: canonical name (first in ``named_parameters()``); ``aliases`` holds tied names.
+        global_shape: the full shape.
+        spec: the PartitionSpec after logical-axis translation; ``source`` says where it came from.
+        strategy: ``"replicated"`` (zero_stage 0), ``"zero-1"``, ``"zero-2"``, ``"zero-3"``.
+        chunk, offset: the ZeRO chunk holding it and its element offset in that chunk.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: PartitionSpec
+    source: str
+    strategy: str
+    requires_grad: bool
+    chunk: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.global_shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A flat buffer of consecutive parameters (ZeRO's unit of communication).
+
+    Attributes:
+        numel: elements used by parameters; ``padded_numel`` rounds up to a multiple of the
+            data-axis size ``parts``; each rank owns ``shard_numel = padded_numel // parts``.
+    """
+
+    index: int
+    dtype: torch.dtype
+    requires_grad: bool
+    params: tuple[str, ...]
+    numel: int
+    padded_numel: int
+    parts: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.parts
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked sharding plan: one :class:`ParamPlan` per parameter, chunks, costs.
+
+    ``str(plan)`` / ``plan.explain()`` print the per-parameter table and the totals; the cost
+    figures are per rank: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (model states
+    that persist between steps) and ``comm_per_step()`` (logical ring bytes by axis and kind,
+    see :mod:`shardlib.mesh.comm`).
+
+    ``mesh`` is kept for :meth:`apply` and is not part of equality; a pickled plan keeps only
+    the abstract mesh.
+    """
+
+    mesh_shape: tuple[tuple[str, int], ...]
+    zero_stage: int
+    data_axes: tuple[str, ...]
+    chunk_size: int
+    optimizer_states: int
+    broadcast_buffers: bool
+    params: tuple[ParamPlan, ...]
+    chunks: tuple[ChunkPlan, ...]
+    mesh: Any = field(compare=False, repr=False, default=None)
+
+    def __reduce__(self):
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if state["mesh"] is not None:
+            state["mesh"] = state["mesh"].abstract()
+        return (_rebuild_plan, (state,))
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def data_size(self) -> int:
+        n = 1
+        for a in self.data_axes:
+            n *= dict(self.mesh_shape)[a]
+        return n
+
+    @property
+    def effective_stage(self) -> int:
+        """The stage that runs: with one data rank every stage is plain replication (stage 0)."""
+        return self.zero_stage if self.data_size > 1 else 0
+
+    def param(self, name: str) -> ParamPlan:
+        for p in self.params:
+            if p.name == name or name in p.aliases:
+                return p
+        raise KeyError(name)
+
+    def local_numel(self, p: ParamPlan, data_index: int | None = None) -> int:
+        """Elements of ``p`` stored persistently on the rank at ``data_index`` (default: ours)."""
+        if not (self.effective_stage == 3):
+            return p.numel
+        idx = self._data_index() if data_index is None else data_index
+        chunk = self.chunks[p.chunk]
+        lo, hi = idx * chunk.shard_numel, (idx + 1) * chunk.shard_numel
+        return max(0, min(hi, p.offset + p.numel) - max(lo, p.offset))
+
+    def _data_index(self) -> int:
+        if self.mesh is None or not self.data_axes:
+            return 0
+        return self.mesh.index(self.data_axes)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters stored per rank between steps (padding included)."""
+        if self.effective_stage == 3:
+            return sum(c.shard_numel * c.element_size for c in self.chunks)
+        return sum(c.padded_numel * c.element_size for c in self.chunks)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of gradients stored per rank between backward and step."""
+        stage = self.effective_stage
+        trainable = [c for c in self.chunks if c.requires_grad]
+        if stage >= 2:
+            return sum(c.shard_numel * c.element_size for c in trainable)
+        return sum(c.padded_numel * c.element_size for c in trainable)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state per rank (``optimizer_states`` tensors per element; AdamW: 2)."""
+        stage = self.effective_stage
+        per = [c.shard_numel if stage >= 1 else c.padded_numel for c in self.chunks if c.requires_grad]
+        size = [c.element_size for c in self.chunks if c.requires_grad]
+        return self.optimizer_states * sum(n * s for n, s in zip(per, size))
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def comm_per_step(self, micro_steps: int = 1, clip: bool = False) -> dict[tuple[str, str], tuple[int, float]]:
+        """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step.
+
+        Args:
+            micro_steps: forward/backward passes per step (all but the last under
+                ``no_sync()``); stage 3 gathers the parameters again for each.
+            clip: ``ZeroOptimizer(max_grad_norm=...)`` is used (one 4-byte all-reduce of the
+                squared norm under stages 1-3).
+
+        One step is ``micro_steps`` forward and backward passes and ``ZeroOptimizer.step()``:
+        stage 0 all-reduces the trainable chunks (2Ψ(N-1)/N); stages 1-2 reduce-scatter them and
+        all-gather the updated shards (2Ψ(N-1)/N); stage 3 all-gathers every chunk in forward and
+        again in backward and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
+        parameters). Ψ counts padded elements.
+        """
+        n = self.data_size
+        if n <= 1:
+            return {}
+        axis = "+".join(self.data_axes)
+        out: dict[tuple[str, str], list] = {}
+
+        def add(kind, chunk, times=1):
+            calls, total = out.setdefault((axis, kind), [0, 0.0])
+            nbytes = chunk.padded_numel * chunk.element_size
+            out[(axis, kind)] = [calls + times, total + times * float(ring_bytes(kind, nbytes, n))]
+
+        for c in self.chunks:
+            if self.zero_stage == 0:
+                if c.requires_grad:
+                    add("all_reduce", c)
+            elif self.zero_stage in (1, 2):
+                if c.requires_grad:
+                    add("reduce_scatter", c)
+                    add("all_gather", c)
+            else:
+                add("all_gather", c, 2 * micro_steps)
+                if c.requires_grad:
+                    add("reduce_scatter", c)
+        if clip and self.zero_stage >= 1:
+            calls, total = out.setdefault((axis, "all_reduce"), [0, 0.0])
+            out[(axis, "all_reduce")] = [calls + 1, total + float(ring_bytes("all_reduce", 4, n))]
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+    # -- printing ----------------------------------------------------------------------------
+    def explain(self) -> str:
+        """The plan as text: a row per parameter, then memory and communication totals."""
+        mesh = dict(self.mesh_shape)
+        coords = self.mesh.coords() if self.mesh is not None else {a: 0 for a in mesh}
+        rank = self.mesh.rank if self.mesh is not None else 0
+        stage = self.effective_stage
+        lines = [
+            f"Plan: mesh {mesh}, rank {rank} at {coords}; zero_stage={self.zero_stage}"
+            + (f" (runs as 0: one data rank)" if stage != self.zero_stage else "")
+            + f" over data axes {self.data_axes or '()'} (N={self.data_size}); "
+            f"{len(self.chunks)} chunks of <= {self.chunk_size:,} elements",
+        ]
+        rows = [("parameter", "global shape", "spec", "strategy", "local shape", "bytes")]
+        for p in self.params:
+            name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
+            if not p.requires_grad:
+                name += " [frozen]"
+            local = self.local_numel(p)
+            local_shape = str(p.global_shape) if stage != 3 else f"flat[{local}]"
+            itemsize = torch.empty((), dtype=p.dtype).element_size()
+            rows.append((name, str(p.global_shape), str(p.spec), p.strategy, local_shape, f"{local * itemsize:,}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        pad = sum(c.padded_numel - c.numel for c in self.chunks)
+        lines.append(
+            f"parameters: {sum(p.numel for p in self.params):,} elements "
+            f"({sum(p.numel for p in self.params if p.requires_grad):,} trainable), {pad:,} padding elements"
+        )
+        lines.append(
+            f"model state per rank: params {self.param_bytes:,} B + grads {self.grad_bytes:,} B + "
+            f"optimizer {self.optimizer_bytes:,} B ({self.optimizer_states} states) = {self.model_state_bytes:,} B"
+        )
+        comm = self.comm_per_step()
+        if comm:
+            lines.append("communication per step (per rank, logical ring bytes):")
+            for (axis, kind), (calls, nbytes) in comm.items():
+                lines.append(f"  {axis:<6} {kind:<15} {calls:>5} calls  {nbytes:>16,.0f} B")
+            lines.append(f"  total                         {sum(b for _, b in comm.values()):>16,.0f} B")
+        else:
+            lines.append("communication per step: none")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def apply(self, model: torch.nn.Module):
+        """Shard ``model`` as planned (``shard(model, mesh, specs, **options)`` is this)."""
+        from .shard import ShardedModule
+
+        if self.mesh is None or not hasattr(self.mesh, "group"):
+            raise ShardingError(
+                "this plan was made on an AbstractMesh (or unpickled) and cannot move tensors; "
+                "make it with a Mesh from init_mesh() to apply it"
+            )
+        return ShardedModule(model, self)
+
+
+def _rebuild_plan(state):
+    return Plan(**state)
+
+
+def _check_options(options: dict) -> None:
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(_OPTIONS)}")
+
+
+def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan:
+    """Check ``specs`` against ``mesh`` and ``model`` and decide every parameter's layout.
+
+    Moves nothing and communicates nothing; deterministic, so every rank gets the same plan.
+
+    Args:
+        model: the module to shard (on CPU or CUDA; not yet on the meta device).
+        mesh: a :class:`~shardlib.Mesh` or :class:`~shardlib.AbstractMesh`.
+        specs: glob pattern -> PartitionSpec rules (see :func:`shardlib.spec.resolve_specs`);
+            a spec along a data axis means ZeRO-3 storage for that parameter.
+        zero_stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters)
+            over the data axes (ZeRO, arXiv 1910.02054). Default 0, or 3 when a spec names a
+            data axis.
+        data_axes: the mesh axes the batch is split along; default: those named ``dp``/``fsdp``.
+        chunk_size: elements per ZeRO chunk (default 4 Mi); a larger parameter gets its own.
+        optimizer_states: optimizer tensors per parameter element, for the memory figure
+            (AdamW 2, SGD with momentum 1); default 2.
+        broadcast_buffers: re-broadcast buffers from the data-axis root before every forward
+            (DDP's default); default False (buffers are synchronized once, at shard time).
+        logical_axis_rules: a table from logical axis names used in ``specs`` to mesh axes.
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        ShardingError: an unknown option; a zero_stage outside 0-3; an unknown or repeated data
+            axis; a spec naming an unknown axis or longer than its tensor; a spec along a data
+            axis with zero_stage < 3; a spec along a non-data axis (tensor parallel is not
+            lowered yet); a mesh axis of size > 1 that nothing uses; a pattern matching no
+            parameter; conflicting specs on a tied parameter; a parameter on the meta device.
+
+    Example:
+        >>> from shardlib.mesh import AbstractMesh
+        >>> p = plan(torch.nn.Linear(4, 3), AbstractMesh({"dp": 2}), zero_stage=3)
+        >>> p.param("weight").strategy, p.param_bytes
+        ('zero-3', 32)
+    """
+    _check_options(options)
+    mesh_shape = dict(mesh.shape)
+    data_axes = options.get("data_axes")
+    if data_axes is None:
+        data_axes = tuple(a for a in mesh_shape if a in DATA_AXIS_NAMES)
+    else:
+        data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+        for a in data_axes:
+            if a not in mesh_shape:
+                raise ShardingError(
+                    f"data_axes names {a!r}, which is not an axis of the mesh {mesh_shape}. Fix: use some of {list(mesh_shape)}"
+                )
+        if len(set(data_axes)) != len(data_axes):
+            raise ShardingError(f"data_axes {data_axes} names an axis twice")
+
+    chunk_size = options.get("chunk_size", DEFAULT_CHUNK_SIZE)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ShardingError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+    optimizer_states = options.get("optimizer_states", 2)
+
+    resolved = resolve_specs(model, specs, options.get("logical_axis_rules"))
+    names_of: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(prm), []).append(name)
+        params[id(prm)] = prm
+
+    # Validate every spec against the mesh and its tensor.
+    spec_names_data_axis = False
+    used_axes: set[str] = set()
+    for key, names in names_of.items():
+        prm = params[key]
+        spec, source = resolved[names[0]]
+        if prm.device.type == "meta":
+            raise ShardingError(
+                f"parameter {names[0]} of shape {tuple(prm.shape)} is on the meta device; shard() needs "
+                "materialized parameters (meta-device init is not supported yet). Fix: build the model on CPU"
+            )
+        if len(spec) > prm.dim():
+            raise ShardingError(
+                f"the spec {spec} ({source}) of parameter {names[0]} has {len(spec)} entries, but the parameter "
+                f"has shape {tuple(prm.shape)} ({prm.dim()} dimensions). Fix: give at most {prm.dim()} entries"
+            )
+        for axis in spec.axes:
+            if axis not in mesh_shape:
+                raise ShardingError(
+                    f"the spec {spec} ({source}) of parameter {names[0]} (shape {tuple(prm.shape)}) names axis "
+                    f"{axis!r}, but the mesh is {mesh_shape}. Fix: use one of {list(mesh_shape)}, or add the axis to the mesh"
+                )
+            used_axes.add(axis)
+            if axis in data_axes:
+                spec_names_data_axis = True
+            else:
+                raise ShardingError(
+                    f"the spec {spec} ({source}) of parameter {names[0]} (shape {tuple(prm.shape)}) splits it over "
+                    f"{axis!r}, which is not a data axis ({data_axes or 'none'}) of the mesh {mesh_shape}: that asks "
+                    "for tensor parallelism, which this version does not lower yet. Fix: shard only along the "
+                    "data axes (ZeRO), or add the axis to data_axes"
+                )
+
+    stage = options.get("zero_stage")
+    if stage is None:
+        stage = 3 if spec_names_data_axis else 0
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ShardingError(f"zero_stage must be 0, 1, 2 or 3 (ZeRO stages), got {stage!r}")
+    if spec_names_data_axis and stage != 3:
+        offender = next(
+            n[0] for k, n in names_of.items() if any(a in data_axes for a in resolved[n[0]][0].axes)
+        )
+        raise ShardingError(
+            f"the spec {resolved[offender][0]} of parameter {offender} shards it along a data axis, which means "
+            f"ZeRO-3 storage, but zero_stage={stage}. Fix: pass zero_stage=3, or drop the data axis from the spec"
+        )
+
+    for axis, size in mesh_shape.items():
+        if size > 1 and axis not in data_axes and axis not in used_axes:
+            raise ShardingError(
+                f"mesh axis {axis!r} (size {size}) of the mesh {mesh_shape} is used by nothing: it is not a data "
+                f"axis ({data_axes or 'none'}) and no spec names it, so its {size} ranks would repeat the same work. "
+                f"Fix: pass data_axes=({axis!r},) (or name it 'dp'), give it size 1, or shard parameters along it"
+            )
+
+    parts = 1
+    for a in data_axes:
+        parts *= mesh_shape[a]
+    strategy = "replicated" if stage == 0 else f"zero-{stage}"
+
+    # Pack into chunks: registration order, one open chunk per (dtype, trainable).
+    chunks: list[dict] = []
+    open_chunk: dict[tuple, int] = {}
+    placement: dict[int, tuple[int, int]] = {}
+    for key in names_of:
+        prm = params[key]
+        group = (prm.dtype, prm.requires_grad)
+        n = prm.numel()
+        idx = open_chunk.get(group)
+        if idx is None or (chunks[idx]["numel"] + n > chunk_size and chunks[idx]["numel"] > 0):
+            idx = len(chunks)
+            chunks.append({"dtype": prm.dtype, "requires_grad": prm.requires_grad, "params": [], "numel": 0})
+            open_chunk[group] = idx
+        placement[key] = (idx, chunks[idx]["numel"])
+        chunks[idx]["params"].append(names_of[key][0])
+        chunks[idx]["numel"] += n
+
+    chunk_plans = tuple(
+        ChunkPlan(
+            index=i,
+            dtype=c["dtype"],
+            requires_grad=c["requires_grad"],
+            params=tuple(c["params"]),
+            numel=c["numel"],
+            padded_numel=-(-max(c["numel"], 1) // parts) * parts,
+            parts=parts,
+        )
+        for i, c in enumerate(chunks)
+    )
+    param_plans = tuple(
+        ParamPlan(
+            name=names[0],
+            aliases=tuple(names[1:]),
+            global_shape=tuple(params[key].shape),
+            dtype=params[key].dtype,
+            spec=resolved[names[0]][0],
+            source=resolved[names[0]][1],
+            strategy=strategy,
+            requires_grad=params[key].requires_grad,
+            chunk=placement[key][0],
+            offset=placement[key][1],
+        )
+        for key, names in names_of.items()
+    )
+    return Plan(
+        mesh_shape=tuple(mesh_shape.items()),
+        zero_stage=stage,
+        data_axes=data_axes,
+        chunk_size=chunk_size,
+        optimizer_states=optimizer_states,
+        broadcast_buffers=bool(options.get("broadcast_buffers", False)),
+        params=param_plans,
+        chunks=chunk_plans,
+        mesh=mesh,
+    )

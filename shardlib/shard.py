@@ -1,0 +1,145 @@
+"""shard(): apply a Plan to an nn.Module; the sharded module and its full state dict."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .parallel.zero import ZeroRuntime
+from .plan import Plan, plan
+
+__all__ = ["ShardedModule", "shard", "full_state_dict", "full_grads"]
+
+
+class ShardedModule(nn.Module):
+    """A module sharded as a :class:`~shardlib.plan.Plan` says; built by :func:`shard`.
+
+    Calls keep the wrapped module's signature: ``smodel(x_local)`` returns what
+    ``model(x_local)`` would, on this rank's local batch. Gradients are averaged over the data
+    axes (DDP semantics), so equal local batches give the gradient of the global mean loss.
+
+    Attributes:
+        module: the original module (its parameters now live in ZeRO chunks).
+        plan: the plan applied.
+        mesh: the mesh.
+
+    Use :class:`~shardlib.ZeroOptimizer` for the optimizer: under ZeRO stages 1-3 the
+    parameters' own ``.grad`` is not the reduced gradient (see :func:`full_grads`).
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan):
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.mesh = plan.mesh
+        self._zero = ZeroRuntime(module, plan, plan.mesh)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        zero = self._zero
+        zero.root_pre_forward()
+        try:
+            if zero.stage == 3 and torch.is_grad_enabled():
+                with torch.autograd.graph.saved_tensors_hooks(zero.pack, zero.unpack):
+                    return self.module(*args, **kwargs)
+            return self.module(*args, **kwargs)
+        finally:
+            zero.root_post_forward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication (DDP's ``no_sync``).
+
+        Backward passes inside the block add into unreduced gradient buffers; the first
+        backward after it reduces the sum. Under stages 2-3 the buffers are full-size while
+        accumulating (as FSDP's ``no_sync``).
+        """
+        old = self._zero.sync
+        self._zero.sync = False
+        try:
+            yield
+        finally:
+            self._zero.sync = old
+
+    def extra_repr(self) -> str:
+        return f"zero_stage={self.plan.zero_stage}, data_axes={self.plan.data_axes}, mesh={dict(self.plan.mesh_shape)}"
+
+
+def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> ShardedModule:
+    """Shard ``model`` over ``mesh``: ``plan(model, mesh, specs, **options).apply(model)``.
+
+    Args:
+        model: the module; modified in place (its parameters move into flat ZeRO chunks).
+        mesh: a :class:`~shardlib.Mesh` from :func:`~shardlib.init_mesh`.
+        specs: glob pattern -> PartitionSpec rules, see :func:`~shardlib.plan`.
+        **options: ``zero_stage``, ``data_axes``, ``chunk_size``, ... see :func:`~shardlib.plan`.
+
+    Returns:
+        A :class:`ShardedModule` with the call signature of ``model``.
+
+    Raises:
+        ShardingError: every check of :func:`~shardlib.plan`, on every rank, before any
+            communication.
+
+    Example:
+        >>> import shardlib
+        >>> mesh = shardlib.init_mesh({"dp": 1})
+        >>> smodel = shardlib.shard(torch.nn.Linear(4, 2), mesh, zero_stage=3)
+        >>> smodel(torch.ones(3, 4)).shape
+        torch.Size([3, 2])
+    """
+    return plan(model, mesh, specs, **options).apply(model)
+
+
+def _require_sharded(smodel: Any, fn: str) -> ShardedModule:
+    if not isinstance(smodel, ShardedModule):
+        raise TypeError(f"{fn}() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
+    return smodel
+
+
+def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors under the original names (parameters, tied aliases, persistent buffers).
+
+    Args:
+        smodel: a sharded module.
+        rank0_only: if True, ranks other than 0 return ``{}`` (they still take part in the
+            gathers).
+
+    Returns:
+        ``{name: tensor}`` in ``smodel.module.state_dict()`` order; each parameter has its global
+        shape and is a fresh copy (collective under ZeRO-3: call on every rank).
+    """
+    smodel = _require_sharded(smodel, "full_state_dict")
+    zero = smodel._zero
+    flat = {c.index: zero.full_chunk(c) for c in zero.chunks}
+    full: dict[int, torch.Tensor] = {}
+    for pp in smodel.plan.params:
+        full[pp.name] = flat[pp.chunk][pp.offset : pp.offset + pp.numel].view(pp.global_shape).clone()
+        for alias in pp.aliases:
+            full[alias] = full[pp.name]
+    if rank0_only and smodel.mesh.rank != 0:
+        return {}
+    out = {}
+    for name, value in smodel.module.state_dict(keep_vars=True).items():
+        out[name] = full[name] if name in full else value.detach().clone()
+    return out
+
+
+def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
+    """The reduced (data-axis averaged) gradient of every parameter, full size, on every rank.
+
+    For tests and debugging: under stages 1-3 this all-gathers the gradient shards (counted in
+    ``mesh.comm``). Frozen parameters map to ``None``. Keys are canonical parameter names.
+    """
+    smodel = _require_sharded(smodel, "full_grads")
+    zero = smodel._zero
+    flat = {c.index: zero.full_grad_chunk(c) for c in zero.chunks if c.trainable}
+    out: dict[str, torch.Tensor | None] = {}
+    for pp in smodel.plan.params:
+        if not pp.requires_grad:
+            out[pp.name] = None
+        else:
+            out[pp.name] = flat[pp.chunk][pp.offset : pp.offset + pp.numel].view(pp.global_shape).clone()
+    return out

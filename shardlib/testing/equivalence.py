@@ -1,0 +1,228 @@
+"""assert_equivalent: a sharded run against a single-process run, step by step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import ShardingError
+
+__all__ = ["assert_equivalent", "loss_of", "default_tolerances"]
+
+_HARNESS = {"optimizer_cls", "optimizer_kwargs", "loss_fn", "accum_steps", "max_grad_norm", "rtol", "seed", "pool"}
+
+
+def default_tolerances(dtype: torch.dtype) -> float:
+    """Relative tolerance by dtype: fp32 1e-5, fp64 1e-10, bf16 1e-2, fp16 1e-3."""
+    return {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}.get(dtype, 1e-5)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: the output itself, the last scalar of a tuple
+    (nanoGPT's ``(logits, loss)``), or ``.loss`` (Hugging Face ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, (tuple, list)):
+        for item in reversed(output):
+            if isinstance(item, torch.Tensor) and item.dim() == 0:
+                return item
+    raise TypeError(f"cannot find a scalar loss in the model output of type {type(output).__name__}; pass loss_fn=")
+
+
+def _forward_loss(model, batch, loss_fn):
+    if loss_fn is None:
+        return loss_of(model(*batch))
+    return loss_fn(model(*batch[:-1]), batch[-1])
+
+
+def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harness):
+    import shardlib
+    from shardlib.mesh.collectives import raw_all_reduce
+
+    mesh = shardlib.init_mesh(mesh_shape)
+    torch.manual_seed(harness["seed"])
+    model = make_model()
+    mesh.comm.reset()
+    smodel = shardlib.shard(model, mesh, specs, **options)
+    opt = shardlib.ZeroOptimizer(
+        smodel, harness["optimizer_cls"], max_grad_norm=harness["max_grad_norm"], **harness["optimizer_kwargs"]
+    )
+    axes = smodel.plan.data_axes
+    spec = shardlib.P(axes) if axes else shardlib.P()
+    local = [shardlib.distribute(t, mesh, spec) for t in batch]
+    accum = harness["accum_steps"]
+    micro = [tuple(t.chunk(accum, dim=0)[i] for t in local) for i in range(accum)]
+    records = []
+    for _ in range(steps):
+        mesh.comm.reset()
+        total = torch.zeros(())
+        for i, mb in enumerate(micro):
+            ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
+                loss.backward()
+            total += loss.detach()
+        comm_bwd = mesh.comm.exact_bytes()
+        mesh.comm.enabled = False
+        global_loss = total.reshape(1).clone()
+        if axes:
+            raw_all_reduce(global_loss, mesh, axes, op="avg")
+        grads = shardlib.full_grads(smodel)
+        mesh.comm.enabled = True
+        opt.step()
+        comm = mesh.comm.table()
+        comm_total = mesh.comm.exact_bytes()
+        mesh.comm.enabled = False
+        params = shardlib.full_state_dict(smodel)
+        mesh.comm.enabled = True
+        opt.zero_grad()
+        records.append(
+            {
+                "loss": global_loss[0].item(),
+                "grads": grads,
+                "params": params,
+                "norm": None if opt.last_grad_norm is None else opt.last_grad_norm.item(),
+                "comm": comm,
+                "comm_bytes": comm_total,
+                "comm_backward_bytes": comm_bwd,
+            }
+        )
+    return {"records": records, "plan": smodel.plan, "explain": smodel.plan.explain()}
+
+
+def _reference(make_model, batch, steps, harness):
+    torch.manual_seed(harness["seed"])
+    model = make_model()
+    opt = harness["optimizer_cls"]([p for p in model.parameters() if p.requires_grad], **harness["optimizer_kwargs"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    records = []
+    for _ in range(steps):
+        loss = _forward_loss(model, batch, harness["loss_fn"])
+        loss.backward()
+        grads = {names[id(p)]: (None if p.grad is None else p.grad.clone()) for p in model.parameters()}
+        norm = None
+        if harness["max_grad_norm"] is not None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], harness["max_grad_norm"]).item()
+        opt.step()
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt.zero_grad()
+        records.append({"loss": loss.item(), "grads": grads, "params": params, "norm": norm})
+    return records
+
+
+def _close(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str, step: int) -> float:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"step {step}: {what} {name} has shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    scale = expected.detach().double().abs().max().item() if expected.numel() else 0.0
+    err = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+    if not err <= rtol * max(scale, 1e-30):
+        raise AssertionError(
+            f"step {step}: {what} {name} differs from the single-process run: max |diff| {err:.3e} > "
+            f"rtol {rtol:g} x max |expected| {scale:.3e}"
+        )
+    return err / max(scale, 1e-30)
+
+
+def assert_equivalent(
+    make_model: Callable[[], torch.nn.Module],
+    mesh_shape: dict[str, int],
+    specs: Any,
+    batch: Sequence[torch.Tensor],
+    steps: int = 3,
+    **options: Any,
+) -> dict:
+    """Train ``make_model()`` sharded on ``mesh_shape`` ranks and in one process; compare.
+
+    Both copies are built after ``torch.manual_seed(seed)``. The single-process copy trains on
+    the whole ``batch``; each sharded rank on its slice along dim 0 (split over the data axes),
+    so the data-parallel mean equals the global mean. After every step the losses, the full
+    (reduced) gradients and the full parameters are compared, each tensor normwise:
+    ``max |sharded - single| <= rtol * max |single|``.
+
+    Args:
+        make_model: builds the model (a picklable callable: module-level function or partial).
+        mesh_shape: ``{axis: size}``; its product is the number of worker processes.
+        specs: passed to :func:`shardlib.shard`.
+        batch: global tensors; the model is called as ``model(*batch)`` (its output holds the
+            loss, see :func:`loss_of`), or with ``loss_fn``: ``loss_fn(model(*batch[:-1]), batch[-1])``.
+        steps: optimizer steps.
+        **options: harness options ``optimizer_cls`` (AdamW), ``optimizer_kwargs``
+            (``{"lr": 1e-2}``), ``loss_fn``, ``accum_steps`` (micro-steps per step, all but the
+            last under ``no_sync()``), ``max_grad_norm``, ``rtol`` (default by dtype of the
+            first parameter: :func:`default_tolerances`), ``seed``; every other option goes to
+            :func:`shardlib.shard` (``zero_stage``, ``chunk_size``, ...).
+
+    Returns:
+        A report: ``{"losses": [(sharded, single), ...], "max_rel": {...}, "comm": [...],
+        "plan": Plan, "explain": str}``.
+
+    Raises:
+        AssertionError: a loss, gradient, norm or parameter differs beyond tolerance, or the
+            ranks disagree on a full parameter.
+        ShardingError: the batch does not split evenly over data ranks and micro-steps.
+    """
+    from .pool import run_on
+
+    harness = {
+        "optimizer_cls": options.pop("optimizer_cls", torch.optim.AdamW),
+        "optimizer_kwargs": options.pop("optimizer_kwargs", {"lr": 1e-2}),
+        "loss_fn": options.pop("loss_fn", None),
+        "accum_steps": options.pop("accum_steps", 1),
+        "max_grad_norm": options.pop("max_grad_norm", None),
+        "seed": options.pop("seed", 0),
+    }
+    rtol = options.pop("rtol", None)
+    world = 1
+    for size in mesh_shape.values():
+        world *= size
+    from ..mesh.mesh import AbstractMesh
+    from ..plan import plan as make_plan
+
+    torch.manual_seed(harness["seed"])
+    probe = make_plan(make_model(), AbstractMesh(mesh_shape), specs, **options)  # errors early, here
+    data = probe.data_size * harness["accum_steps"]
+    batch = tuple(batch)
+    if batch[0].shape[0] % data:
+        raise ShardingError(
+            f"assert_equivalent: the batch of {batch[0].shape[0]} rows does not split evenly over "
+            f"{probe.data_size} data ranks x {harness['accum_steps']} micro-steps; use a multiple of {data}"
+        )
+    if rtol is None:
+        rtol = default_tolerances(probe.params[0].dtype if probe.params else torch.float32)
+
+    results = run_on(world, _sharded_worker, make_model, mesh_shape, specs, batch, steps, options, harness)
+    reference = _reference(make_model, batch, steps, harness)
+    report: dict[str, Any] = {"losses": [], "max_rel": {"loss": 0.0, "grad": 0.0, "param": 0.0, "norm": 0.0}, "comm": []}
+    mine = results[0]["records"]
+    for step, (got, ref) in enumerate(zip(mine, reference)):
+        report["losses"].append((got["loss"], ref["loss"]))
+        rel = _close("loss", torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol, "the", step)
+        report["max_rel"]["loss"] = max(report["max_rel"]["loss"], rel)
+        if ref["norm"] is not None:
+            rel = _close("norm", torch.tensor(got["norm"]), torch.tensor(ref["norm"]), rtol, "the gradient", step)
+            report["max_rel"]["norm"] = max(report["max_rel"]["norm"], rel)
+        for name, g in got["grads"].items():
+            expected = ref["grads"][name]
+            if g is None or expected is None:
+                if (g is None) != (expected is None):
+                    raise AssertionError(f"step {step}: gradient of {name}: sharded {g is None and 'None'}, single {expected is None and 'None'}")
+                continue
+            report["max_rel"]["grad"] = max(report["max_rel"]["grad"], _close(name, g, expected, rtol, "gradient of", step))
+        for name, value in ref["params"].items():
+            if name not in got["params"]:
+                raise AssertionError(f"step {step}: the sharded full_state_dict lacks {name}")
+            report["max_rel"]["param"] = max(report["max_rel"]["param"], _close(name, got["params"][name], value, rtol, "parameter", step))
+        for r, other in enumerate(results[1:], start=1):
+            for name, value in got["params"].items():
+                if not torch.equal(other["records"][step]["params"][name], value):
+                    raise AssertionError(f"step {step}: rank {r} and rank 0 disagree on the full parameter {name}")
+        report["comm"].append(got["comm"])
+    report["plan"] = results[0]["plan"]
+    report["explain"] = results[0]["explain"]
+    report["records"] = mine
+    return report

@@ -1,0 +1,45 @@
+"""Small models with the awkward features equivalence tests need."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TiedLM"]
+
+
+class TiedLM(nn.Module):
+    """A tiny language model with every awkward feature ZeRO must handle.
+
+    Sizes the data axis rarely divides (vocab 37, hidden 10), an input embedding tied to the
+    output head, a frozen layer (``requires_grad=False``), and a buffer.
+
+    Args:
+        vocab: vocabulary size.
+        hidden: model width.
+        ffn: width of the inner MLP layer.
+
+    ``forward(idx, targets)``: ``idx`` and ``targets`` are ``(batch, seq)`` int64; returns
+    ``(logits (batch, seq, vocab), mean cross-entropy loss)``.
+    """
+
+    def __init__(self, vocab: int = 37, hidden: int = 10, ffn: int = 13):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.frozen = nn.Linear(hidden, hidden)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, ffn)
+        self.down = nn.Linear(ffn, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, hidden))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
+        x = self.wte(idx)  # (B, T, H)
+        x = x + torch.tanh(self.frozen(x)) * self.scale
+        x = x + self.down(F.gelu(self.up(self.norm(x))))
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
