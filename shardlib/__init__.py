@@ -20,7 +20,7 @@ from .mesh import (
 )
 from .optim import ZeroOptimizer, clip_grad_norm_
 from .plan import ChunkPlan, ParamPlan, Plan, plan
-from .shard import ShardedModule, full_grads, full_state_dict, shard
+from .shard import ShardedModule, full_grads, full_state_dict, model_state_bytes, shard
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
 
 __all__ = [
@@ -53,4 +53,5 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "full_grads",
+    "model_state_bytes",
 ]

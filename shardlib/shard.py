@@ -11,7 +11,7 @@ from torch import nn
 from .parallel.zero import ZeroRuntime
 from .plan import Plan, plan
 
-__all__ = ["ShardedModule", "shard", "full_state_dict", "full_grads"]
+__all__ = ["ShardedModule", "shard", "full_state_dict", "full_grads", "model_state_bytes"]
 
 
 class ShardedModule(nn.Module):
@@ -142,4 +142,44 @@ def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
             out[pp.name] = None
         else:
             out[pp.name] = flat[pp.chunk][pp.offset : pp.offset + pp.numel].view(pp.global_shape).clone()
+    return out
+
+
+def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str, int]:
+    """Measured bytes of model state held on this rank now, by kind.
+
+    Counts distinct storages (a view is counted once, with its base): parameter chunks and
+    shards, gradient buffers, and the optimizer's state tensors (0-dim step counters excluded).
+    Compare with ``plan.param_bytes``, ``plan.grad_bytes`` and ``plan.optimizer_bytes``.
+
+    Returns:
+        ``{"params": B, "grads": B, "optimizer": B, "total": B}``.
+    """
+    smodel = _require_sharded(smodel, "model_state_bytes")
+    seen: set[int] = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    chunks = smodel._zero.chunks
+    out = {
+        "params": size([c.full for c in chunks] + [c.shard for c in chunks]),
+        "grads": size([c.grad_full for c in chunks] + [c.grad_shard for c in chunks]),
+    }
+    states = []
+    if optimizer is not None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for state in inner.state.values():
+            states += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out["optimizer"] = size(states)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out

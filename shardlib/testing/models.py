@@ -19,16 +19,17 @@ class TiedLM(nn.Module):
         vocab: vocabulary size.
         hidden: model width.
         ffn: width of the inner MLP layer.
+        freeze: make the layer ``frozen`` non-trainable.
 
     ``forward(idx, targets)``: ``idx`` and ``targets`` are ``(batch, seq)`` int64; returns
     ``(logits (batch, seq, vocab), mean cross-entropy loss)``.
     """
 
-    def __init__(self, vocab: int = 37, hidden: int = 10, ffn: int = 13):
+    def __init__(self, vocab: int = 37, hidden: int = 10, ffn: int = 13, freeze: bool = True):
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden)
         self.frozen = nn.Linear(hidden, hidden)
-        self.frozen.requires_grad_(False)
+        self.frozen.requires_grad_(not freeze)
         self.norm = nn.LayerNorm(hidden)
         self.up = nn.Linear(hidden, ffn)
         self.down = nn.Linear(ffn, hidden)

@@ -1,0 +1,208 @@
+"""ZeRO stages 0-3: equivalence with one process, communication and memory against theory."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardlib
+from shardlib.mesh import AbstractMesh
+from shardlib.testing import TiedLM, assert_equivalent, run_on
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _batch(vocab, rows, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    vocab=st.integers(5, 41),
+    hidden=st.integers(3, 12),
+    chunk_size=st.sampled_from([40, 150, 1 << 20]),
+    accum=st.sampled_from([1, 2]),
+    clip=st.sampled_from([None, 0.05]),
+    seed=st.integers(0, 2**16),
+)
+def test_equivalent_to_single_process(stage, dp, vocab, hidden, chunk_size, accum, clip, seed):
+    """Loss, gradients and parameters after 3 AdamW steps equal the single-process run
+    (fp32, normwise relative 1e-5), with tied embeddings, a frozen layer and a buffer; with
+    no_sync() accumulation over 2 micro-steps and with clipping small enough to clip."""
+    make = functools.partial(TiedLM, vocab, hidden, hidden + 3)
+    batch = _batch(vocab, 2 * dp * accum, 4, seed)
+    report = assert_equivalent(
+        make,
+        {"dp": dp},
+        None,
+        batch,
+        steps=3,
+        zero_stage=stage,
+        chunk_size=chunk_size,
+        accum_steps=accum,
+        max_grad_norm=clip,
+        optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1},
+        seed=seed,
+    )
+    if clip is not None:
+        norms = [r["norm"] for r in report["records"]]
+        assert all(n > clip for n in norms), f"clip {clip} too large to clip: norms {norms}"
+
+
+def _comm_worker(stage, chunk_size):
+    mesh = shardlib.init_mesh({"dp": torch.distributed.get_world_size()})
+    torch.manual_seed(0)
+    model = TiedLM(37, 10, 13, freeze=False)
+    smodel = shardlib.shard(model, mesh, zero_stage=stage, chunk_size=chunk_size)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
+    idx, tgt = _batch(37, 2, 5, mesh.rank)
+    out = []
+    for _ in range(2):
+        mesh.comm.reset()
+        smodel(idx, tgt)[1].backward()
+        opt.step()
+        measured = shardlib.model_state_bytes(smodel, opt)
+        out.append((mesh.comm.table(), mesh.comm.exact_bytes(), measured))
+        opt.zero_grad()
+    return out, smodel.plan
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_communication_and_memory_equal_theory_and_plan(dp):
+    """Counted bytes per step equal the plan's prediction and ZeRO's 2Ψ / 3Ψ (N-1)/N up to
+    padding; measured model-state bytes equal the plan's figures."""
+    for stage in (0, 1, 2, 3):
+        results = run_on(dp, _comm_worker, stage, 64)
+        for rank, (steps, plan) in enumerate(results):
+            psi = sum(p.numel for p in plan.params)  # no frozen parameters in this model
+            psi_padded = sum(c.padded_numel for c in plan.chunks)
+            assert 0 <= psi_padded - psi < len(plan.chunks) * dp
+            factor = 3 if stage == 3 else 2
+            theory = factor * psi_padded * 4 * (dp - 1) / dp
+            predicted = plan.comm_per_step()
+            for table, exact, measured in steps:
+                assert table == predicted, (stage, table, predicted)
+                assert float(exact) == pytest.approx(theory, rel=1e-12), (stage, float(exact), theory)
+                assert abs(float(exact) - factor * psi * 4 * (dp - 1) / dp) <= factor * (psi_padded - psi) * 4
+                assert measured == {
+                    "params": plan.param_bytes,
+                    "grads": plan.grad_bytes,
+                    "optimizer": plan.optimizer_bytes,
+                    "total": plan.model_state_bytes,
+                }, (stage, rank, measured)
+
+
+def test_memory_formula_per_stage():
+    """Plan memory follows ZeRO's table: Ψ per rank for stage 0, sharded states from stage 1."""
+    model = TiedLM(40, 16, 24, freeze=False)
+    n = 4
+    sizes = {s: shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=s, chunk_size=1 << 20) for s in range(4)}
+    psi = sum(c.padded_numel for c in sizes[0].chunks)
+    assert (sizes[0].param_bytes, sizes[0].grad_bytes, sizes[0].optimizer_bytes) == (4 * psi, 4 * psi, 8 * psi)
+    assert (sizes[1].param_bytes, sizes[1].grad_bytes, sizes[1].optimizer_bytes) == (4 * psi, 4 * psi, 8 * psi // n)
+    assert (sizes[2].param_bytes, sizes[2].grad_bytes, sizes[2].optimizer_bytes) == (4 * psi, 4 * psi // n, 8 * psi // n)
+    assert (sizes[3].param_bytes, sizes[3].grad_bytes, sizes[3].optimizer_bytes) == (4 * psi // n, 4 * psi // n, 8 * psi // n)
+
+
+def _accumulate_worker(stage):
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(TiedLM(), mesh, zero_stage=stage, chunk_size=100)
+    idx, tgt = _batch(37, 2, 5, mesh.rank)
+    smodel(idx, tgt)[1].backward()
+    once = shardlib.full_grads(smodel)
+    smodel(idx, tgt)[1].backward()  # no zero_grad: gradients add up, as in plain PyTorch
+    twice = shardlib.full_grads(smodel)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    opt.zero_grad()
+    with smodel.no_sync():
+        smodel(idx, tgt)[1].backward()
+    try:
+        opt.step()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    return once, twice, raised
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_accumulate_without_zero_grad_and_step_after_no_sync_raises(stage):
+    once, twice, raised = run_on(2, _accumulate_worker, stage)[0]
+    for name, g in once.items():
+        if g is not None:
+            torch.testing.assert_close(twice[name], 2 * g, rtol=1e-6, atol=1e-7)
+    assert raised is not None and "no_sync" in raised
+
+
+def _buffer_worker():
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(mesh.rank)  # deliberately different initial values per rank
+    model = TiedLM()
+    model.scale.fill_(float(mesh.rank + 1))
+    smodel = shardlib.shard(model, mesh, zero_stage=3, chunk_size=100)
+    return shardlib.full_state_dict(smodel), smodel.plan
+
+
+def test_parameters_and_buffers_start_identical_across_ranks():
+    (sd0, plan0), (sd1, plan1) = run_on(2, _buffer_worker)
+    assert plan0 == plan1
+    for name in sd0:
+        assert torch.equal(sd0[name], sd1[name]), name
+    assert torch.equal(sd0["scale"], torch.ones(10))
+    assert sd0["wte.weight"] is not None and torch.equal(sd0["wte.weight"], sd0["lm_head.weight"])
+
+
+def test_one_rank_mesh_equals_plain_pytorch_bitwise():
+    """A one-rank mesh (no launcher) runs every stage and matches plain PyTorch bit for bit."""
+    mesh = shardlib.init_mesh({"dp": 1})
+    idx, tgt = _batch(37, 4, 5, 0)
+    torch.manual_seed(0)
+    ref = TiedLM()
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        ref(idx, tgt)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for stage in range(4):
+        torch.manual_seed(0)
+        smodel = shardlib.shard(TiedLM(), mesh, zero_stage=stage)
+        opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+        for _ in range(3):
+            smodel(idx, tgt)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        assert mesh.comm.calls() == 0
+        full = shardlib.full_state_dict(smodel)
+        for name, value in ref.state_dict().items():
+            assert torch.equal(full[name], value), (stage, name)
+
+
+def test_lr_scheduler_drives_zero_optimizer():
+    mesh = shardlib.init_mesh({"dp": 1})
+    smodel = shardlib.shard(TiedLM(), mesh, zero_stage=2)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    for _ in range(3):
+        smodel(*_batch(37, 2, 3, 0))[1].backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.125)
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.125)
+
+
+def test_plan_is_picklable_and_explains_itself():
+    import pickle
+
+    p = shardlib.plan(TiedLM(), AbstractMesh({"dp": 4}), zero_stage=3, chunk_size=100)
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p
+    text = p.explain()
+    assert "wte.weight (= lm_head.weight)" in text and "[frozen]" in text
+    assert "reduce_scatter" in text and "all_gather" in text and "model state per rank" in text
+    assert str(p) == text
