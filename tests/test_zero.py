@@ -206,3 +206,20 @@ def test_plan_is_picklable_and_explains_itself():
     assert "wte.weight (= lm_head.weight)" in text and "[frozen]" in text
     assert "reduce_scatter" in text and "all_gather" in text and "model state per rank" in text
     assert str(p) == text
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_two_data_axes_and_data_axis_specs_are_zero3(data):
+    """Specs along data axes mean ZeRO-3 storage; meshes with two data axes (dp x fsdp, sizes of
+    1 included) shard over their product and stay equivalent to one process."""
+    from shardlib.testing.strategies import data_axis_specs, mesh_shapes
+
+    shape = data.draw(mesh_shapes(("dp", "fsdp"), max_world=4, min_world=2))
+    model = TiedLM()
+    names = [n for n, _ in model.named_parameters()]
+    specs = data.draw(data_axis_specs(names, [p.dim() for _, p in model.named_parameters()], ("dp", "fsdp")))
+    world = shape["dp"] * shape["fsdp"]
+    p = shardlib.plan(model, AbstractMesh(shape), specs, chunk_size=90)
+    assert p.zero_stage == (3 if specs else 0) and p.data_size == world
+    assert_equivalent(TiedLM, shape, specs, _batch(37, 2 * world, 3, 7), steps=2, chunk_size=90)

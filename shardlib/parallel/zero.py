@@ -147,7 +147,10 @@ class ZeroRuntime:
         """Copy every floating buffer from the data-axis root to the other data ranks."""
         if self.n > 1:
             for buf in self.model.buffers():
-                raw_broadcast(buf.data if buf.is_contiguous() else buf.data.contiguous(), self.mesh, self.axes)
+                tmp = buf.data.contiguous()
+                raw_broadcast(tmp, self.mesh, self.axes)
+                if tmp.data_ptr() != buf.data_ptr():
+                    buf.data.copy_(tmp)
 
     def _attach_grad_views(self) -> None:
         for chunk in self.chunks:
