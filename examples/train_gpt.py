@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
@@ -37,13 +38,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch size (sequences per step)")
+    p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size (sequences per step)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to lr/10")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
     p.add_argument("--eval-every", type=int, default=100)
@@ -51,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="replay the first N steps unsharded on rank 0 and compare losses")
+    p.add_argument("--sample", type=int, default=200, metavar="BYTES",
+                   help="rank 0 prints this many sampled bytes from the trained model (0: none)")
     p.add_argument("--log-json", default=None, metavar="PATH", help="write the loss curve here")
     return p.parse_args(argv)
 
@@ -96,12 +100,27 @@ def optimizer_kwargs(args) -> dict:
     return dict(lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
 
 
+def learning_rate(step: int, args) -> float:
+    """nanoGPT's schedule for 0-based ``step``: linear warmup, then cosine decay to ``lr / 10``."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group (ZeroOptimizer shares its inner groups)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
 def reference_losses(args, corpus: ByteCorpus, steps: int) -> list[float]:
     """Train an unsharded copy in this process on the same global batches; per-step losses."""
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(args))
     losses = []
-    for _, (x, y) in zip(range(steps), train_batches(corpus, args)):
+    for step, (x, y) in zip(range(steps), train_batches(corpus, args)):
+        set_lr(opt, learning_rate(step, args))
         _, loss = model(x, y)
         loss.backward()
         if args.grad_clip:
@@ -119,8 +138,19 @@ def compare_losses(sharded: list[float], reference: list[float]) -> float:
     for step, (a, b) in enumerate(zip(sharded, reference)):
         rel = abs(a - b) / max(abs(b), 1e-12)
         worst = max(worst, rel)
-        print(f"{step:>5} {a:>12.6f} {b:>12.6f} {rel:>10.2e}")
+        print(f"{step + 1:>5} {a:>12.6f} {b:>12.6f} {rel:>10.2e}")
     return worst
+
+
+def sample_text(args, state: dict, n_bytes: int) -> str:
+    """Load full weights into a fresh unsharded GPT and sample ``n_bytes`` after a newline."""
+    model = GPT(model_config(args))
+    missing, unexpected = model.load_state_dict({k: v.cpu() for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head.weight may be left out: it IS wte.weight
+        raise RuntimeError(f"full_state_dict does not fit GPT: missing {missing}, unexpected {unexpected}")
+    prompt = torch.tensor([[ord("\n")]])
+    out = model.eval().generate(prompt, n_bytes, temperature=0.8, generator=torch.Generator().manual_seed(args.seed))
+    return bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
 
 
 def specs_for(mesh, args) -> dict:
@@ -134,39 +164,35 @@ def specs_for(mesh, args) -> dict:
 
 
 @torch.no_grad()
-def evaluate(smodel, corpus, args, mesh, data_axes, device) -> float:
+def evaluate(smodel, corpus, args, device) -> float:
     """Validation loss in nats/byte, averaged over the data axes; the same windows every call."""
     smodel.eval()
     g = torch.Generator().manual_seed(args.seed + 1)
     total = 0.0
     for _ in range(args.eval_batches):
         x, y = corpus.get_batch("val", args.batch_size, args.block_size, g)
-        _, loss = smodel(local(x, mesh, data_axes, device), local(y, mesh, data_axes, device))
-        total += global_mean(loss, data_axes)
+        _, loss = smodel(local(x, smodel, device), local(y, smodel, device))
+        total += global_mean(loss, smodel)
     smodel.train()
     return total / args.eval_batches
 
 
-def local(batch, mesh, data_axes, device):
+def local(batch, smodel, device):
     """This rank's rows of a global batch ``(B, T)``: local ``(B // |data axes|, T)``."""
-    spec = shardlib.P(data_axes) if data_axes else shardlib.P()
-    return shardlib.distribute(batch, mesh, spec).to(device)
+    return shardlib.distribute(batch, smodel.mesh, smodel.batch_spec).to(device)
 
 
-def global_mean(loss: torch.Tensor, data_axes) -> float:
+def global_mean(loss: torch.Tensor, smodel) -> float:
     """Average a per-rank mean loss over the data axes: the loss on the global batch."""
     loss = loss.detach()
-    return (shardlib.all_reduce(loss, data_axes, op="avg") if data_axes else loss).item()
+    return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
 
 
+@record  # under torchrun, a failing rank's traceback heads the error summary
 def main(argv=None) -> int:
     args = parse_args(argv)
     mesh = shardlib.init_mesh(parse_mesh(args.mesh))
     is_main = mesh.rank == 0
-    data_axes = tuple(a for a in mesh.axis_names if a in ("dp", "fsdp"))
-    n_data = math.prod(mesh.size(a) for a in data_axes)
-    if args.batch_size % n_data:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data axes {data_axes} ({n_data})")
     if args.check and args.dropout:
         raise SystemExit("--check compares losses exactly; it needs --dropout 0")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -177,46 +203,53 @@ def main(argv=None) -> int:
     if is_main:
         print(corpus)
         print(f"model: {model.num_params():,} parameters, mesh {mesh.shape}, ZeRO stage {args.zero_stage}")
-        print(shardlib.plan(model, mesh, specs, zero_stage=args.zero_stage))
-    smodel = shardlib.shard(model, mesh, specs, zero_stage=args.zero_stage)
+    plan = shardlib.plan(model, mesh, specs, zero_stage=args.zero_stage)  # checked on every rank
+    if args.batch_size % plan.data_size:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data axes "
+                         f"{plan.data_axes} ({plan.data_size} ranks)")
+    if is_main:
+        print(plan)
+    smodel = plan.apply(model)  # == shardlib.shard(model, mesh, specs, zero_stage=...)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=args.grad_clip or None,
                                  **optimizer_kwargs(args))
 
     tokens_per_step = args.batch_size * args.block_size
-    history, losses = [], []
+    history = []  # one record per step, for --log-json and --check
     batches = train_batches(corpus, args)
-    bar = tqdm(range(1, args.steps + 1), disable=not is_main, dynamic_ncols=True)
+    bar = tqdm(range(args.steps), disable=not is_main, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
+        set_lr(opt, learning_rate(step, args))
         x, y = next(batches)  # the global batch, identical on every rank
-        _, loss = smodel(local(x, mesh, data_axes, device), local(y, mesh, data_axes, device))
+        _, loss = smodel(local(x, smodel, device), local(y, smodel, device))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        train_loss = global_mean(loss, data_axes)
+        train_loss = global_mean(loss, smodel)
         tok_s = tokens_per_step / (time.perf_counter() - t0)
-        losses.append(train_loss)
         val_loss = None
-        if step % args.eval_every == 0 or step == args.steps:
-            val_loss = evaluate(smodel, corpus, args, mesh, data_axes, device)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val_loss = evaluate(smodel, corpus, args, device)
             if is_main:
-                bar.write(f"step {step}: train {train_loss:.4f}, val {val_loss:.4f} nats/byte")
+                bar.write(f"step {step + 1}: train {train_loss:.4f}, val {val_loss:.4f} nats/byte")
         bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}")
-        history.append(dict(step=step, train_loss=train_loss, val_loss=val_loss, tokens_per_s=tok_s))
+        history.append(dict(step=step + 1, lr=learning_rate(step, args), train_loss=train_loss,
+                            val_loss=val_loss, tokens_per_s=tok_s))
     bar.close()
 
     state = shardlib.full_state_dict(smodel)  # full tensors under the original names, every rank
     if not is_main:
         return 0
     print(f"final val loss {history[-1]['val_loss']:.3f} nats/byte (uniform guess {math.log(256):.3f})")
-    print(f"full model: {sum(t.numel() for t in state.values()):,} elements in {len(state)} tensors")
+    if args.sample:
+        print(f"sample: {sample_text(args, state, args.sample)!r}")
     if args.log_json:
         with open(args.log_json, "w") as f:
             json.dump(dict(args=vars(args), mesh=mesh.shape, history=history), f, indent=1)
     if args.check:
-        n = min(args.check, len(losses))
+        n = min(args.check, len(history))
         print(f"--check: replaying {n} steps unsharded in one process")
-        worst = compare_losses(losses[:n], reference_losses(args, corpus, n))
+        worst = compare_losses([h["train_loss"] for h in history[:n]], reference_losses(args, corpus, n))
         print(f"max relative loss difference {worst:.2e} (tolerance {CHECK_RTOL:.0e})")
         if worst > CHECK_RTOL:
             return 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import ShardingError
@@ -342,9 +343,16 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             raise ShardingError(f"data_axes {data_axes} names an axis twice")
 
     chunk_size = options.get("chunk_size", DEFAULT_CHUNK_SIZE)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
         raise ShardingError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+    chunk_size = int(chunk_size)
     optimizer_states = options.get("optimizer_states", 2)
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, (int, np.integer)) or optimizer_states < 0:
+        raise ShardingError(
+            f"optimizer_states must be a non-negative int (optimizer tensors per parameter element: AdamW 2, "
+            f"SGD with momentum 1), got {optimizer_states!r}"
+        )
+    optimizer_states = int(optimizer_states)
 
     resolved = resolve_specs(model, specs, options.get("logical_axis_rules"))
     names_of: dict[int, list[str]] = {}
@@ -367,7 +375,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         if len(spec) > prm.dim():
             raise ShardingError(
                 f"the spec {spec} ({source}) of parameter {names[0]} has {len(spec)} entries, but the parameter "
-                f"has shape {tuple(prm.shape)} ({prm.dim()} dimensions). Fix: give at most {prm.dim()} entries"
+                f"has shape {tuple(prm.shape)} ({prm.dim()} dimension{'s' if prm.dim() != 1 else ''}). Fix: give at most {prm.dim()} entries"
             )
         for axis in spec.axes:
             if axis not in mesh_shape:
@@ -389,15 +397,18 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     stage = options.get("zero_stage")
     if stage is None:
         stage = 3 if spec_names_data_axis else 0
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in (0, 1, 2, 3):
         raise ShardingError(f"zero_stage must be 0, 1, 2 or 3 (ZeRO stages), got {stage!r}")
+    stage = int(stage)
     if spec_names_data_axis and stage != 3:
         offender = next(
             n[0] for k, n in names_of.items() if any(a in data_axes for a in resolved[n[0]][0].axes)
         )
+        shape = tuple(dict(model.named_parameters(remove_duplicate=False))[offender].shape)
         raise ShardingError(
-            f"the spec {resolved[offender][0]} of parameter {offender} shards it along a data axis, which means "
-            f"ZeRO-3 storage, but zero_stage={stage}. Fix: pass zero_stage=3, or drop the data axis from the spec"
+            f"the spec {resolved[offender][0]} of parameter {offender} (shape {shape}) shards it along a data axis "
+            f"{data_axes} of the mesh {mesh_shape}, which means ZeRO-3 storage, but zero_stage={stage}. "
+            "Fix: pass zero_stage=3, or drop the data axis from the spec"
         )
 
     for axis, size in mesh_shape.items():

@@ -48,6 +48,19 @@ class ShardedModule(nn.Module):
         finally:
             zero.root_post_forward()
 
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split along (gradients are averaged over them)."""
+        return self.plan.data_axes
+
+    @property
+    def batch_spec(self):
+        """``P(data_axes)``: the spec of a batch split along dim 0 over the data axes, for
+        :func:`~shardlib.distribute` (``P()`` when there are none)."""
+        from .spec import P
+
+        return P(self.plan.data_axes) if self.plan.data_axes else P()
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, without communication (DDP's ``no_sync``).

@@ -241,7 +241,7 @@ def annotate(param: torch.Tensor, spec: Any) -> torch.Tensor:
     if len(spec) > param.dim():
         raise ShardingError(
             f"annotate(): {spec} has {len(spec)} entries but the parameter has shape {tuple(param.shape)} "
-            f"({param.dim()} dimensions). Fix: give at most {param.dim()} entries"
+            f"({param.dim()} dimension{'s' if param.dim() != 1 else ''}). Fix: give at most {param.dim()} entries"
         )
     setattr(param, _ANNOTATION, spec)
     return param
@@ -366,6 +366,13 @@ def resolve_specs(
 
     for i, (pattern, spec) in enumerate(rules):
         if i not in used_patterns:
+            hits = [n for ns in names_of.values() for n in ns if fnmatch.fnmatchcase(n, pattern)]
+            if hits:
+                shadow = next(q for q, _ in rules[:i] if fnmatch.fnmatchcase(hits[0], q))
+                raise ShardingError(
+                    f"spec pattern {pattern!r} -> {spec} is never used: every parameter it matches is matched first by "
+                    f"the earlier pattern {shadow!r} (first match wins). Fix: move {pattern!r} before it, or remove it"
+                )
             all_names = [n for ns in names_of.values() for n in ns]
             sample = ", ".join(all_names[:6]) + (", ..." if len(all_names) > 6 else "")
             raise ShardingError(

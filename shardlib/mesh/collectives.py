@@ -194,6 +194,8 @@ def _scatter(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
             f"to be divisible by {n}. Fix: pad that dimension to a multiple of {n}"
         )
     xs = x.movedim(dim, 0).contiguous()
+    if xs.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        xs = xs.clone()  # raw_reduce_scatter clobbers its input; never the caller's tensor
     shard = xs.new_empty((xs.shape[0] // n,) + tuple(xs.shape[1:]))
     raw_reduce_scatter(shard, xs, mesh, names)
     return shard.movedim(0, dim)

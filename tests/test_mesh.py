@@ -1,0 +1,398 @@
+"""Tests of shardlib/mesh: the rank grid, communication accounting, and the autograd collectives.
+
+Tier 0: :class:`AbstractMesh` (no process group) and :class:`CommCounter`. Tier 2: every
+autograd collective of ``shardlib/mesh/collectives.py`` on a ``{"dp": 2, "tp": 2}`` mesh of four
+gloo workers, forward and backward against values computed by hand in this process, with the
+bytes recorded in ``mesh.comm`` against the ring formulas. One pool call checks everything.
+"""
+
+import itertools
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardlib import AbstractMesh
+from shardlib.mesh import CommCounter, ring_bytes
+from shardlib.testing import run_on
+
+# ---------------------------------------------------------------------------------------------
+# AbstractMesh: the grid arange(world).reshape(sizes), last axis fastest
+
+
+def test_coords_and_index_follow_numpy_grid():
+    mesh = AbstractMesh({"dp": 2, "tp": 3})
+    grid = np.arange(6).reshape(2, 3)
+    for (i, j), rank in np.ndenumerate(grid):
+        assert mesh.coords(int(rank)) == {"dp": i, "tp": j}
+        m = AbstractMesh({"dp": 2, "tp": 3}, rank=int(rank))
+        assert (m.index("dp"), m.index("tp"), m.index(("dp", "tp"))) == (i, j, rank)
+        assert m.index(("tp", "dp")) == j * 2 + i  # a tuple's index: first axis outer
+    assert mesh.size() == 6 and mesh.size("tp") == 3 and mesh.size(("dp", "tp")) == 6
+    assert mesh.axis_names == ("dp", "tp") and mesh.shape == {"dp": 2, "tp": 3}
+
+
+def test_axis_ranks_and_all_groups_2d():
+    mesh = AbstractMesh({"dp": 2, "tp": 3}, rank=4)  # dp=1, tp=1
+    assert mesh.axis_ranks("tp") == [3, 4, 5]
+    assert mesh.axis_ranks("dp") == [1, 4]
+    assert mesh.axis_ranks("dp", rank=2) == [2, 5]
+    assert mesh.axis_ranks(("dp", "tp")) == [0, 1, 2, 3, 4, 5]
+    assert mesh.all_groups("tp") == [[0, 1, 2], [3, 4, 5]]
+    assert mesh.all_groups("dp") == [[0, 3], [1, 4], [2, 5]]
+    assert mesh.all_groups(("dp", "tp")) == [[0, 1, 2, 3, 4, 5]]
+    assert mesh.all_groups(("tp", "dp")) == [[0, 3, 1, 4, 2, 5]]  # ordered by the tuple's index
+
+
+def test_all_groups_3d_match_numpy():
+    shape = {"pp": 2, "dp": 3, "tp": 2}
+    mesh = AbstractMesh(shape)
+    grid = np.arange(12).reshape(2, 3, 2)
+    assert mesh.all_groups("tp") == grid.reshape(-1, 2).tolist()
+    assert mesh.all_groups("pp") == grid.transpose(1, 2, 0).reshape(-1, 2).tolist()
+    assert mesh.all_groups(("pp", "tp")) == grid.transpose(1, 0, 2).reshape(-1, 4).tolist()
+    assert mesh.axis_ranks(("pp", "tp"), rank=9) == [2, 3, 8, 9]  # rank 9 is (pp 1, dp 1, tp 1): dp=1 fixed
+
+
+def test_size_one_axes_and_value_semantics():
+    mesh = AbstractMesh({"dp": 1, "tp": 2}, rank=1)
+    assert mesh.all_groups("dp") == [[0], [1]] and mesh.axis_ranks("dp") == [1]
+    assert mesh == AbstractMesh({"dp": 1, "tp": 2}, rank=1) != AbstractMesh({"dp": 1, "tp": 2}, rank=0)
+    assert hash(mesh) == hash(AbstractMesh({"dp": 1, "tp": 2}, rank=1))
+    assert repr(mesh) == "AbstractMesh({'dp': 1, 'tp': 2}, rank=1)"
+    assert mesh.abstract() == mesh
+    assert AbstractMesh({"dp": np.int64(2)}).size() == 2
+
+
+@st.composite
+def mesh_shapes(draw):
+    n = draw(st.integers(1, 4))
+    names = ["pp", "dp", "fsdp", "tp"][:n]
+    sizes = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    return dict(zip(names, sizes))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=mesh_shapes(), data=st.data())
+def test_groups_partition_ranks_and_differ_in_one_axis(shape, data):
+    mesh = AbstractMesh(shape)
+    world = mesh.size()
+    assert world == int(np.prod(list(shape.values())))
+    names = list(shape)
+    axes = [(a,) for a in names]
+    subset = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+    axes.append(tuple(subset))
+    for axis in axes:
+        groups = mesh.all_groups(axis)
+        # The groups partition the ranks.
+        assert sorted(itertools.chain.from_iterable(groups)) == list(range(world))
+        assert all(len(g) == mesh.size(axis) for g in groups)
+        for group in groups:
+            coords = [mesh.coords(r) for r in group]
+            for pos, (rank, c) in enumerate(zip(group, coords)):
+                # Only the group's axes vary; the others are fixed ...
+                assert all(c[n] == coords[0][n] for n in names if n not in axis)
+                # ... and a rank's place in the group is its index along the axis.
+                m = AbstractMesh(shape, rank=rank)
+                assert m.index(axis) == pos
+                assert m.axis_ranks(axis) == group
+            assert len({tuple(c[n] for n in axis) for c in coords}) == len(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# CommCounter and ring formulas
+
+
+def test_ring_bytes_formulas():
+    assert ring_bytes("all_reduce", 400, 4) == 600  # 2 B (N - 1) / N
+    for kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        assert ring_bytes(kind, 400, 4) == 300  # B (N - 1) / N
+    assert ring_bytes("send", 400, 4) == 400
+    assert ring_bytes("all_reduce", 100, 3) == Fraction(400, 3)
+    assert ring_bytes("all_gather", 100, 1) == 0 and ring_bytes("send", 100, 1) == 0
+
+
+def test_comm_counter_accumulates_by_axis_and_kind():
+    c = CommCounter()
+    c.record("dp", "all_reduce", 400, 4)
+    c.record("dp", "all_reduce", 100, 4)
+    c.record("tp", "all_gather", 90, 3)
+    c.record("dp+tp", "reduce_scatter", 80, 8)
+    c.record("dp", "all_to_all", 40, 2)
+    c.record("pp", "send", 12, 2)
+    c.record("tp", "all_reduce", 1000, 1)  # a group of one moves nothing: not counted
+    assert c.calls() == 6 and c.calls("dp") == 3 and c.calls(kind="all_reduce") == 2
+    assert c.bytes("dp", "all_reduce") == 750.0
+    assert c.bytes("tp") == 60.0
+    assert c.bytes("dp+tp") == 70.0
+    assert c.bytes("dp", "all_to_all") == 20.0 and c.bytes("pp", "send") == 12.0
+    assert c.bytes() == 750 + 60 + 70 + 20 + 12
+    assert c.exact_bytes() == Fraction(912)
+    assert c.table()[("dp", "all_reduce")] == (2, 750.0)
+    assert "dp/all_reduce: 2 calls 750 B" in repr(c)
+    c.enabled = False
+    c.record("dp", "all_reduce", 400, 4)
+    assert c.calls() == 6
+    c.reset()
+    assert c.calls() == 0 and c.bytes() == 0.0 and c.table() == {}
+
+
+def test_comm_counter_exact_fractions():
+    c = CommCounter()
+    for _ in range(3):
+        c.record("tp", "all_reduce", 100, 3)
+    assert c.exact_bytes("tp") == 400  # 3 * 400/3, exactly
+    assert c.bytes("tp") == 400.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd collectives on {"dp": 2, "tp": 2}, four gloo ranks
+
+MESH = {"dp": 2, "tp": 2}
+
+
+def _inp(rank, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 + rank), dtype=torch.float64)
+
+
+def _wt(rank, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(2000 + rank), dtype=torch.float64)
+
+
+def _tp_group(r):
+    return [2 * (r // 2), 2 * (r // 2) + 1]
+
+
+def _dp_group(r):
+    return [r % 2, r % 2 + 2]
+
+
+def _collectives_worker():
+    """On every rank: each collective's forward value, input gradient and comm tables."""
+    import torch.distributed as dist
+
+    import shardlib
+    from shardlib import all_gather, all_reduce, all_to_all, ppermute, pvary, reduce_scatter
+
+    mesh = shardlib.init_mesh(MESH)
+    r = mesh.rank
+    out = {
+        "coords": (mesh.index("dp"), mesh.index("tp")),
+        "group_ranks": {a: dist.get_process_group_ranks(mesh.group(a)) for a in ("dp", "tp")},
+    }
+
+    def check(name, fn, in_shape, out_shape):
+        x = _inp(r, in_shape).requires_grad_(True)
+        x0 = x.detach().clone()
+        mesh.comm.reset()
+        y = fn(x)
+        fwd = mesh.comm.table()
+        mesh.comm.reset()
+        (y * _wt(r, out_shape)).sum().backward()
+        out[name] = {
+            "y": y.detach().clone(),
+            "grad": x.grad.clone(),
+            "fwd": fwd,
+            "bwd": mesh.comm.table(),
+            "input_unchanged": torch.equal(x.detach(), x0),
+        }
+
+    check("all_reduce_sum_tp", lambda x: all_reduce(x, "tp"), (3,), (3,))
+    check("all_reduce_avg_dp", lambda x: all_reduce(x, "dp", op="avg"), (3,), (3,))
+    check("all_reduce_sum_world", lambda x: all_reduce(x, ("dp", "tp")), (3,), (3,))
+    check("pvary_tp", lambda x: pvary(x, "tp"), (3,), (3,))
+    check("all_gather_tp_dim1", lambda x: all_gather(x, "tp", dim=1), (2, 3), (2, 6))
+    check("all_gather_world_dim0", lambda x: all_gather(x, ("dp", "tp"), dim=-2), (1, 2), (4, 2))
+    check("reduce_scatter_dp_dim0", lambda x: reduce_scatter(x, "dp", dim=0), (4, 3), (2, 3))
+    check("reduce_scatter_tp_dim1", lambda x: reduce_scatter(x, "tp", dim=1), (2, 4), (2, 2))
+    check("all_to_all_tp", lambda x: all_to_all(x, "tp", split_dim=0, concat_dim=1), (4, 3), (2, 6))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    check("ppermute_ring_world", lambda x: ppermute(x, ("dp", "tp"), ring), (3,), (3,))
+    check("ppermute_partial_tp", lambda x: ppermute(x, "tp", [(0, 1)]), (3,), (3,))
+
+    # Two all_gathers whose outputs are added receive the same gradient tensor in backward.
+    x1 = _inp(r, (1, 3)).requires_grad_(True)
+    x2 = _inp(r + 4, (1, 3)).requires_grad_(True)
+    y = all_gather(x1, "tp") + all_gather(x2, "tp")
+    (y * _wt(r, (2, 3))).sum().backward()
+    out["shared_grad"] = (x1.grad.clone(), x2.grad.clone())
+
+    # max: forward is the elementwise max; backward has no gradient.
+    x = _inp(r, (3,)).requires_grad_(True)
+    mesh.comm.reset()
+    y = all_reduce(x, ("dp", "tp"), op="max")
+    out["all_reduce_max_world"] = {"y": y.detach().clone(), "fwd": mesh.comm.table()}
+    try:
+        y.sum().backward()
+        out["max_backward_error"] = None
+    except RuntimeError as exc:
+        out["max_backward_error"] = str(exc)
+
+    # Bad calls fail before communicating.
+    mesh.comm.reset()
+    errors = {}
+    for name, fn in {
+        "reduce_scatter_indivisible": lambda: reduce_scatter(torch.ones(3), "tp"),
+        "all_to_all_indivisible": lambda: all_to_all(torch.ones(3, 2), "tp", split_dim=0, concat_dim=1),
+        "unknown_axis": lambda: all_reduce(torch.ones(1), "pp"),
+        "ppermute_bad_perm": lambda: ppermute(torch.ones(1), "tp", [(0, 1), (1, 1)]),
+        "bad_op": lambda: all_reduce(torch.ones(1), "tp", op="prod"),
+    }.items():
+        try:
+            fn()
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors[name] = (type(exc).__name__, str(exc))
+    out["errors"] = errors
+    out["calls_after_errors"] = mesh.comm.calls()
+    # The ranks are still in step: one more collective works.
+    out["after"] = all_reduce(torch.ones(1), ("dp", "tp")).item()
+    return out
+
+
+def _expected(r):
+    """What each check in _collectives_worker should give on rank r, computed by hand."""
+    dp, tp = r // 2, r % 2
+    tpg, dpg, world = _tp_group(r), _dp_group(r), [0, 1, 2, 3]
+    w = _wt
+    ar = lambda axis, n, nbytes: {(axis, "all_reduce"): (1, float(ring_bytes("all_reduce", nbytes, n)))}
+    one = lambda axis, kind, n, nbytes: {(axis, kind): (1, float(ring_bytes(kind, nbytes, n)))}
+    B = 8  # float64
+    exp = {}
+    exp["all_reduce_sum_tp"] = (
+        sum(_inp(q, (3,)) for q in tpg), w(r, (3,)), ar("tp", 2, 3 * B), {})
+    exp["all_reduce_avg_dp"] = (
+        sum(_inp(q, (3,)) for q in dpg) / 2, w(r, (3,)) / 2, ar("dp", 2, 3 * B), {})
+    exp["all_reduce_sum_world"] = (
+        sum(_inp(q, (3,)) for q in world), w(r, (3,)), ar("dp+tp", 4, 3 * B), {})
+    exp["pvary_tp"] = (_inp(r, (3,)), sum(w(q, (3,)) for q in tpg), {}, ar("tp", 2, 3 * B))
+    exp["all_gather_tp_dim1"] = (
+        torch.cat([_inp(q, (2, 3)) for q in tpg], dim=1),
+        sum(w(q, (2, 6)) for q in tpg).chunk(2, dim=1)[tp],
+        one("tp", "all_gather", 2, 12 * B),
+        one("tp", "reduce_scatter", 2, 12 * B),
+    )
+    exp["all_gather_world_dim0"] = (
+        torch.cat([_inp(q, (1, 2)) for q in world], dim=0),
+        sum(w(q, (4, 2)) for q in world)[r : r + 1],
+        one("dp+tp", "all_gather", 4, 8 * B),
+        one("dp+tp", "reduce_scatter", 4, 8 * B),
+    )
+    exp["reduce_scatter_dp_dim0"] = (
+        sum(_inp(q, (4, 3)) for q in dpg).chunk(2, dim=0)[dp],
+        torch.cat([w(q, (2, 3)) for q in dpg], dim=0),
+        one("dp", "reduce_scatter", 2, 12 * B),
+        one("dp", "all_gather", 2, 12 * B),
+    )
+    exp["reduce_scatter_tp_dim1"] = (
+        sum(_inp(q, (2, 4)) for q in tpg).chunk(2, dim=1)[tp],
+        torch.cat([w(q, (2, 2)) for q in tpg], dim=1),
+        one("tp", "reduce_scatter", 2, 8 * B),
+        one("tp", "all_gather", 2, 8 * B),
+    )
+    exp["all_to_all_tp"] = (
+        torch.cat([_inp(q, (4, 3)).chunk(2, dim=0)[tp] for q in tpg], dim=1),
+        torch.cat([w(q, (2, 6)).chunk(2, dim=1)[tp] for q in tpg], dim=0),  # dims swapped
+        one("tp", "all_to_all", 2, 12 * B),
+        one("tp", "all_to_all", 2, 12 * B),
+    )
+    exp["ppermute_ring_world"] = (
+        _inp((r - 1) % 4, (3,)),  # index i receives from i - 1
+        w((r + 1) % 4, (3,)),  # the inverse permutation carries the cotangent back
+        {("dp+tp", "send"): (1, 3.0 * B)},
+        {("dp+tp", "send"): (1, 3.0 * B)},
+    )
+    zeros = torch.zeros(3, dtype=torch.float64)
+    exp["ppermute_partial_tp"] = (
+        _inp(tpg[0], (3,)) if tp == 1 else zeros,  # index 0 -> 1; index 0 receives nothing
+        w(tpg[1], (3,)) if tp == 0 else zeros,  # inverse: 1 -> 0
+        {("tp", "send"): (1, 3.0 * B)} if tp == 0 else {},
+        {("tp", "send"): (1, 3.0 * B)} if tp == 1 else {},
+    )
+    return exp
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    return run_on(4, _collectives_worker)
+
+
+@pytest.mark.multiprocess
+def test_mesh_groups_on_four_ranks(collectives):
+    for r, res in enumerate(collectives):
+        assert res["coords"] == (r // 2, r % 2)
+        assert res["group_ranks"] == {"dp": _dp_group(r), "tp": _tp_group(r)}
+        assert res["group_ranks"]["tp"] == AbstractMesh(MESH, rank=r).axis_ranks("tp")
+
+
+NAMES = [
+    "all_reduce_sum_tp",
+    "all_reduce_avg_dp",
+    "all_reduce_sum_world",
+    "pvary_tp",
+    "all_gather_tp_dim1",
+    "all_gather_world_dim0",
+    "reduce_scatter_dp_dim0",
+    "reduce_scatter_tp_dim1",
+    "all_to_all_tp",
+    "ppermute_ring_world",
+    "ppermute_partial_tp",
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", NAMES)
+def test_collective_forward_backward_and_bytes(collectives, name):
+    for r, res in enumerate(collectives):
+        y, grad, fwd, bwd = _expected(r)[name]
+        got = res[name]
+        torch.testing.assert_close(got["y"], y, msg=lambda m: f"{name} forward, rank {r}: {m}")
+        torch.testing.assert_close(got["grad"], grad, msg=lambda m: f"{name} backward, rank {r}: {m}")
+        assert got["fwd"] == fwd, f"{name} forward bytes, rank {r}"
+        assert got["bwd"] == bwd, f"{name} backward bytes, rank {r}"
+        assert got["input_unchanged"], f"{name} modified its input on rank {r}"
+
+
+@pytest.mark.multiprocess
+def test_reduce_scatter_leaves_its_input_alone(collectives):
+    for r, res in enumerate(collectives):
+        assert res["reduce_scatter_dp_dim0"]["input_unchanged"], f"rank {r}: the input of reduce_scatter changed"
+
+
+@pytest.mark.multiprocess
+def test_all_gather_backward_does_not_clobber_a_shared_gradient(collectives):
+    for r, res in enumerate(collectives):
+        tp = r % 2
+        expected = sum(_wt(q, (2, 3)) for q in _tp_group(r))[tp : tp + 1]
+        g1, g2 = res["shared_grad"]
+        torch.testing.assert_close(g2, expected, msg=lambda m: f"second input, rank {r}: {m}")
+        torch.testing.assert_close(g1, expected, msg=lambda m: f"first input, rank {r}: {m}")
+
+
+@pytest.mark.multiprocess
+def test_all_reduce_max(collectives):
+    expected = torch.stack([_inp(q, (3,)) for q in range(4)]).amax(0)
+    for res in collectives:
+        torch.testing.assert_close(res["all_reduce_max_world"]["y"], expected)
+        assert res["all_reduce_max_world"]["fwd"] == {("dp+tp", "all_reduce"): (1, 36.0)}
+        assert "all_reduce(op='max') has no gradient" in res["max_backward_error"]
+
+
+@pytest.mark.multiprocess
+def test_bad_collective_calls_fail_before_communicating(collectives):
+    for res in collectives:
+        errors = res["errors"]
+        assert errors["reduce_scatter_indivisible"][0] == "ShardingError"
+        assert "reduce_scatter over tp (size 2) needs dimension 0 of shape (3,) to be divisible by 2" in errors[
+            "reduce_scatter_indivisible"
+        ][1]
+        assert errors["all_to_all_indivisible"][0] == "ShardingError"
+        assert "splits dimension 0 of shape (3, 2), which 2 does not divide" in errors["all_to_all_indivisible"][1]
+        assert errors["unknown_axis"] == ("ShardingError", "axis 'pp' is not in the mesh {'dp': 2, 'tp': 2}; its axes are ['dp', 'tp']")
+        assert errors["ppermute_bad_perm"][0] == "ValueError" and "partial permutation of 0..1" in errors["ppermute_bad_perm"][1]
+        assert errors["bad_op"][0] == "ValueError" and "'prod'" in errors["bad_op"][1]
+        assert res["calls_after_errors"] == 0
+        assert res["after"] == 4.0
