@@ -35,21 +35,29 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
     if not isinstance(smodel, ShardedModule):
         return torch.nn.utils.clip_grad_norm_(smodel.parameters(), max_norm, norm_type)
     zero = smodel._zero
-    grads = zero.owned_grads()
     norm_type = float(norm_type)
-    device = grads[0].device if grads else torch.device("cpu")
+    tp_axes = tuple(sorted({layer.axis for layer in smodel.plan.tp_layers}))
+    parts = []  # (local statistic, axes to reduce it over)
+    for sharded in (False, True):
+        grads = zero.owned_grads(tp_sharded=sharded)
+        if not grads:  # the same on every rank: chunk kinds do not depend on coordinates
+            continue
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max().float()
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros(()))
+        axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ())
+        parts.append((local.reshape(1).clone(), axes))
+    op = "max" if math.isinf(norm_type) else "sum"
+    for stat, axes in parts:
+        if axes:
+            raw_all_reduce(stat, zero.mesh, axes, op=op)
+    stats = [stat for stat, _ in parts] or [torch.zeros(1)]
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max().float() if grads else torch.zeros((), device=device)
-        total = local.reshape(1).clone()
-        if not zero.grads_replicated():
-            raw_all_reduce(total, zero.mesh, zero.axes, op="max")
-        total = total[0]
+        total = torch.stack(stats).max()
     else:
-        local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-        total = local.reshape(1).clone()
-        if not zero.grads_replicated():
-            raw_all_reduce(total, zero.mesh, zero.axes)
-        total = total[0].pow(1.0 / norm_type)
+        total = torch.stack(stats).sum().pow(1.0 / norm_type)
+    grads = zero.owned_grads()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))

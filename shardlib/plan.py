@@ -12,6 +12,7 @@ design); then cost the result (model-state bytes per rank, communicated bytes pe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,13 +21,15 @@ import torch
 
 from .errors import ShardingError
 from .mesh.comm import ring_bytes
-from .spec import PartitionSpec, resolve_specs
+from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel
+from .spec import PartitionSpec, resolve_specs, shard_range
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")
-_OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules"}
+_OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
+            "sequence_parallel"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,11 @@ class ParamPlan:
         name: canonical name (first in ``named_parameters()``); ``aliases`` holds tied names.
         global_shape: the full shape.
         spec: the PartitionSpec after logical-axis translation; ``source`` says where it came from.
-        strategy: ``"replicated"`` (zero_stage 0), ``"zero-1"``, ``"zero-2"``, ``"zero-3"``.
-        chunk, offset: the ZeRO chunk holding it and its element offset in that chunk.
+        strategy: the tensor-parallel role (``"column"``, ``"row"``, ``"vocab"``, ``"embed_dim"``)
+            if any, joined with the data-parallel one (``"replicated"`` at zero_stage 0, else
+            ``"zero-1"`` ... ``"zero-3"``), e.g. ``"column+zero-3"``.
+        tp_axis, tp_dim: the tensor axis and the dimension split over it (``None``: replicated
+            over every non-data axis).
     """
 
     name: str
@@ -49,8 +55,8 @@ class ParamPlan:
     source: str
     strategy: str
     requires_grad: bool
-    chunk: int
-    offset: int
+    tp_axis: str | None = None
+    tp_dim: int | None = None
 
     @property
     def numel(self) -> int:
@@ -58,6 +64,15 @@ class ParamPlan:
         for s in self.global_shape:
             n *= s
         return n
+
+    def local_shape(self, mesh_shape: dict[str, int], coords: dict[str, int]) -> tuple[int, ...]:
+        """The shape of this parameter's tensor-parallel shard at ``coords`` (before ZeRO)."""
+        if self.tp_axis is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        lo, hi = shard_range(shape[self.tp_dim], mesh_shape[self.tp_axis], coords[self.tp_axis])
+        shape[self.tp_dim] = hi - lo
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -73,9 +88,11 @@ class ChunkPlan:
     dtype: torch.dtype
     requires_grad: bool
     params: tuple[str, ...]
+    offsets: tuple[int, ...]
     numel: int
     padded_numel: int
     parts: int
+    tp_sharded: bool = False
 
     @property
     def shard_numel(self) -> int:
@@ -106,11 +123,56 @@ class Plan:
     optimizer_states: int
     broadcast_buffers: bool
     params: tuple[ParamPlan, ...]
-    chunks: tuple[ChunkPlan, ...]
+    tp_layers: tuple[TPLayer, ...] = ()
+    sequence_parallel: bool = False
     mesh: Any = field(compare=False, repr=False, default=None)
 
+    # -- layout on this rank -----------------------------------------------------------------
+    def coords(self) -> dict[str, int]:
+        """This rank's mesh coordinates (rank 0's for a plan without a mesh)."""
+        return self.mesh.coords() if self.mesh is not None else {a: 0 for a, _ in self.mesh_shape}
+
+    @functools.cached_property
+    def chunks(self) -> tuple["ChunkPlan", ...]:
+        """ZeRO chunks of this rank's (tensor-parallel local) parameters.
+
+        Registration order; one open chunk per (dtype, trainable, split over a tensor axis) of at
+        most ``chunk_size`` elements (a larger parameter gets its own); padded to a multiple of
+        the data-axis size. Ranks that differ only in data coordinates get identical chunks.
+        """
+        mesh_shape, coords = dict(self.mesh_shape), self.coords()
+        parts = self.data_size
+        chunks: list[dict] = []
+        open_chunk: dict[tuple, int] = {}
+        for p in self.params:
+            n = int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64))
+            group = (p.dtype, p.requires_grad, p.tp_axis is not None)
+            idx = open_chunk.get(group)
+            if idx is None or (chunks[idx]["numel"] + n > self.chunk_size and chunks[idx]["numel"] > 0):
+                idx = len(chunks)
+                chunks.append({"group": group, "params": [], "offsets": [], "numel": 0})
+                open_chunk[group] = idx
+            chunks[idx]["params"].append(p.name)
+            chunks[idx]["offsets"].append(chunks[idx]["numel"])
+            chunks[idx]["numel"] += n
+        return tuple(
+            ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
+                      offsets=tuple(c["offsets"]), numel=c["numel"],
+                      padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2])
+            for i, c in enumerate(chunks)
+        )
+
+    @functools.cached_property
+    def placement(self) -> dict[str, tuple[int, int]]:
+        """``{canonical name: (chunk index, element offset)}`` on this rank."""
+        return {name: (c.index, off) for c in self.chunks for name, off in zip(c.params, c.offsets)}
+
+    def local_shape(self, p: "ParamPlan") -> tuple[int, ...]:
+        """``p``'s tensor-parallel local shape on this rank."""
+        return p.local_shape(dict(self.mesh_shape), self.coords())
+
     def __reduce__(self):
-        state = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__}  # not the cached layout
         if state["mesh"] is not None:
             state["mesh"] = state["mesh"].abstract()
         return (_rebuild_plan, (state,))
@@ -136,12 +198,14 @@ class Plan:
 
     def local_numel(self, p: ParamPlan, data_index: int | None = None) -> int:
         """Elements of ``p`` stored persistently on the rank at ``data_index`` (default: ours)."""
+        numel = int(np.prod(self.local_shape(p), dtype=np.int64))
         if not (self.effective_stage == 3):
-            return p.numel
+            return numel
         idx = self._data_index() if data_index is None else data_index
-        chunk = self.chunks[p.chunk]
+        c, off = self.placement[p.name]
+        chunk = self.chunks[c]
         lo, hi = idx * chunk.shard_numel, (idx + 1) * chunk.shard_numel
-        return max(0, min(hi, p.offset + p.numel) - max(lo, p.offset))
+        return max(0, min(hi, off + numel) - max(lo, off))
 
     def _data_index(self) -> int:
         if self.mesh is None or not self.data_axes:
@@ -238,7 +302,7 @@ class Plan:
             if not p.requires_grad:
                 name += " [frozen]"
             local = self.local_numel(p)
-            local_shape = str(p.global_shape) if stage != 3 else f"flat[{local}]"
+            local_shape = str(self.local_shape(p)) if stage != 3 else f"flat[{local}]"
             itemsize = torch.empty((), dtype=p.dtype).element_size()
             rows.append((name, str(p.global_shape), str(p.spec), p.strategy, local_shape, f"{local * itemsize:,}"))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
@@ -386,13 +450,6 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             used_axes.add(axis)
             if axis in data_axes:
                 spec_names_data_axis = True
-            else:
-                raise ShardingError(
-                    f"the spec {spec} ({source}) of parameter {names[0]} (shape {tuple(prm.shape)}) splits it over "
-                    f"{axis!r}, which is not a data axis ({data_axes or 'none'}) of the mesh {mesh_shape}: that asks "
-                    "for tensor parallelism, which this version does not lower yet. Fix: shard only along the "
-                    "data axes (ZeRO), or add the axis to data_axes"
-                )
 
     stage = options.get("zero_stage")
     if stage is None:
@@ -419,55 +476,49 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
                 f"Fix: pass data_axes=({axis!r},) (or name it 'dp'), give it size 1, or shard parameters along it"
             )
 
-    parts = 1
-    for a in data_axes:
-        parts *= mesh_shape[a]
-    strategy = "replicated" if stage == 0 else f"zero-{stage}"
-
-    # Pack into chunks: registration order, one open chunk per (dtype, trainable).
-    chunks: list[dict] = []
-    open_chunk: dict[tuple, int] = {}
-    placement: dict[int, tuple[int, int]] = {}
-    for key in names_of:
-        prm = params[key]
-        group = (prm.dtype, prm.requires_grad)
-        n = prm.numel()
-        idx = open_chunk.get(group)
-        if idx is None or (chunks[idx]["numel"] + n > chunk_size and chunks[idx]["numel"] > 0):
-            idx = len(chunks)
-            chunks.append({"dtype": prm.dtype, "requires_grad": prm.requires_grad, "params": [], "numel": 0})
-            open_chunk[group] = idx
-        placement[key] = (idx, chunks[idx]["numel"])
-        chunks[idx]["params"].append(names_of[key][0])
-        chunks[idx]["numel"] += n
-
-    chunk_plans = tuple(
-        ChunkPlan(
-            index=i,
-            dtype=c["dtype"],
-            requires_grad=c["requires_grad"],
-            params=tuple(c["params"]),
-            numel=c["numel"],
-            padded_numel=-(-max(c["numel"], 1) // parts) * parts,
-            parts=parts,
+    roles, tp_layers = analyze_tensor_parallel(model, resolved, mesh_shape, data_axes)
+    sequence_parallel = bool(options.get("sequence_parallel", False))
+    if sequence_parallel and not any(layer.kind == "row" for layer in tp_layers):
+        raise ShardingError(
+            f"sequence_parallel=True needs tensor-parallel column/row layer pairs on a tensor axis, but the specs "
+            f"split no row layer (mesh {mesh_shape}). Fix: add tensor-parallel specs (e.g. models.gpt.tp_specs()), "
+            "or drop sequence_parallel"
         )
-        for i, c in enumerate(chunks)
-    )
-    param_plans = tuple(
-        ParamPlan(
+    zero = "replicated" if stage == 0 else f"zero-{stage}"
+
+    layers_by_path = {layer.path: layer for layer in tp_layers}
+    weight_dim = {("column", False): 0, ("column", True): 1, ("row", False): 1, ("row", True): 0,
+                  ("vocab", False): 0, ("embed_dim", False): 1}
+
+    def tp_split(names):
+        """(axis, dim) of the tensor split of a parameter known by ``names``, or (None, None)."""
+        for n in names:
+            path, _, attr = n.rpartition(".")
+            layer = layers_by_path.get(path)
+            if layer is None:
+                continue
+            if attr == "weight":
+                return layer.axis, weight_dim[(layer.kind, layer.transposed)]
+            if attr == "bias" and layer.kind == "column":
+                return layer.axis, 0
+        return None, None
+
+    param_plans = []
+    for key, names in names_of.items():
+        axis, dim = tp_split(names)
+        role = next((roles[n] for n in names if n in roles), None)
+        param_plans.append(ParamPlan(
             name=names[0],
             aliases=tuple(names[1:]),
             global_shape=tuple(params[key].shape),
             dtype=params[key].dtype,
             spec=resolved[names[0]][0],
             source=resolved[names[0]][1],
-            strategy=strategy,
+            strategy=f"{role}+{zero}" if role and axis is not None else zero,
             requires_grad=params[key].requires_grad,
-            chunk=placement[key][0],
-            offset=placement[key][1],
-        )
-        for key, names in names_of.items()
-    )
+            tp_axis=axis,
+            tp_dim=dim,
+        ))
     return Plan(
         mesh_shape=tuple(mesh_shape.items()),
         zero_stage=stage,
@@ -475,7 +526,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         chunk_size=chunk_size,
         optimizer_states=optimizer_states,
         broadcast_buffers=bool(options.get("broadcast_buffers", False)),
-        params=param_plans,
-        chunks=chunk_plans,
+        params=tuple(param_plans),
+        tp_layers=tuple(tp_layers),
+        sequence_parallel=sequence_parallel,
         mesh=mesh,
     )

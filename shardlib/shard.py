@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .mesh.regions import _uneven_gather
+from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.zero import ZeroRuntime
 from .plan import Plan, plan
 
@@ -35,6 +37,7 @@ class ShardedModule(nn.Module):
         self.module = module
         self.plan = plan
         self.mesh = plan.mesh
+        self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
         self._zero = ZeroRuntime(module, plan, plan.mesh)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -127,9 +130,9 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     smodel = _require_sharded(smodel, "full_state_dict")
     zero = smodel._zero
     flat = {c.index: zero.full_chunk(c) for c in zero.chunks}
-    full: dict[int, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = {}
     for pp in smodel.plan.params:
-        full[pp.name] = flat[pp.chunk][pp.offset : pp.offset + pp.numel].view(pp.global_shape).clone()
+        full[pp.name] = _unshard(smodel, pp, flat)
         for alias in pp.aliases:
             full[alias] = full[pp.name]
     if rank0_only and smodel.mesh.rank != 0:
@@ -149,13 +152,18 @@ def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
     smodel = _require_sharded(smodel, "full_grads")
     zero = smodel._zero
     flat = {c.index: zero.full_grad_chunk(c) for c in zero.chunks if c.trainable}
-    out: dict[str, torch.Tensor | None] = {}
-    for pp in smodel.plan.params:
-        if not pp.requires_grad:
-            out[pp.name] = None
-        else:
-            out[pp.name] = flat[pp.chunk][pp.offset : pp.offset + pp.numel].view(pp.global_shape).clone()
-    return out
+    return {pp.name: _unshard(smodel, pp, flat) if pp.requires_grad else None for pp in smodel.plan.params}
+
+
+def _unshard(smodel: ShardedModule, pp, flat: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The full tensor of ``pp`` from this rank's gathered chunks, gathered over its tensor axis."""
+    plan = smodel.plan
+    c, off = plan.placement[pp.name]
+    shape = plan.local_shape(pp)
+    local = flat[c][off : off + int(torch.Size(shape).numel())].view(shape)
+    if pp.tp_axis is not None:
+        local = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), pp.tp_dim, pp.global_shape[pp.tp_dim])
+    return local.clone()
 
 
 def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str, int]:

@@ -221,10 +221,21 @@ CASES = [
          "zero_stage=3"],
     ),
     (
-        "spec-on-non-data-axis",
-        lambda: plan(mlp(), DP2_TP2, {"0.weight": P("tp", None)}),
-        ["P('tp', None)", "(pattern '0.weight')", "parameter 0.weight", "shape (6, 4)", "over 'tp'",
-         "not a data axis (('dp',))", "{'dp': 2, 'tp': 2}", "tensor parallelism"],
+        "row-layer-without-column-partner",
+        lambda: plan(mlp(), DP2_TP2, {"2.weight": P(None, "tp")}),
+        ["row-parallel layer 2", "split over 'tp', size 2", "no column-parallel partner", "<root>",
+         "input would arrive whole", "Fix"],
+    ),
+    (
+        "bias-split-without-weight",
+        lambda: plan(mlp(), DP2_TP2, {"0.bias": P("tp")}),
+        ["0.bias (shape (6,)) is split over 'tp'", "Linear 0 has no weight split over it", "Fix"],
+    ),
+    (
+        "norm-weight-split-over-tp",
+        lambda: plan(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), DP2_TP2, {"1.weight": P("tp")}),
+        ["1.weight (shape (4,)) of the norm 1 is split over 'tp'", "never split", "sequence_parallel=True",
+         "Fix: leave the norm weight replicated"],
     ),
     (
         "unknown-plan-option",

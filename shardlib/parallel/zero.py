@@ -111,7 +111,8 @@ class ZeroRuntime:
         members: list[list] = [[] for _ in plan.chunks]
         self.param_chunk: dict[int, _Chunk] = {}
         for pp in plan.params:
-            members[pp.chunk].append((by_name[pp.name], pp.offset))
+            c, off = plan.placement[pp.name]
+            members[c].append((by_name[pp.name], off))
         self.sync = True
         self.unsynced = False  # the last backward ran inside no_sync()
         self._handles: list = []
@@ -264,9 +265,10 @@ class ZeroRuntime:
         """The flat tensors the optimizer updates: full chunks (stage 0) or this rank's shards."""
         return [c.opt_param for c in self.chunks if c.trainable]
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        """Gradients whose elements this rank alone counts toward a global norm."""
-        return [c.grad_shard for c in self.chunks if c.trainable]
+    def owned_grads(self, tp_sharded: bool | None = None) -> list[torch.Tensor]:
+        """Gradients whose elements this rank alone counts toward a global norm (over the data
+        axes); ``tp_sharded`` selects the chunks split over a tensor axis (True) or not (False)."""
+        return [c.grad_shard for c in self.chunks if c.trainable and (tp_sharded is None or c.plan.tp_sharded == tp_sharded)]
 
     def grads_replicated(self) -> bool:
         """True when every data rank holds the same full gradients (stage 0)."""

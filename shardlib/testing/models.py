@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TiedLM"]
+__all__ = ["TiedLM", "gpt_for_tests"]
 
 
 class TiedLM(nn.Module):
@@ -44,3 +44,20 @@ class TiedLM(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+
+def gpt_for_tests(config):
+    """The reference GPT with the key-projection biases frozen.
+
+    A key bias adds ``q . b_k`` to every score of a query, which softmax ignores: its gradient is
+    zero in exact arithmetic and rounding noise in practice, and AdamW turns that noise into
+    ``lr * g / (|g| + eps)`` updates that differ between any two runs. Freezing it keeps every
+    other bias (column-split q/v/fc_in biases, replicated row biases) under test.
+    """
+    from ..models.gpt import GPT
+
+    model = GPT(config)
+    for block in model.blocks:
+        if block.attn.k_proj.bias is not None:
+            block.attn.k_proj.bias.requires_grad_(False)
+    return model

@@ -1,0 +1,252 @@
+"""Megatron tensor parallelism: column/row parallel Linear, parallel embeddings, vocab-parallel loss.
+
+Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism" (arXiv 1909.08053), section 3; sequence parallelism after Korthikanti et al.
+(arXiv 2205.05198). Names follow Megatron / haiscale. Shapes: ``tp`` is the size of the tensor
+axis; uneven splits follow the torch.chunk layout (:func:`shardlib.spec.shard_range`).
+
+A column layer followed by a row layer (attention q/k/v -> o_proj, MLP fc_in -> fc_out) needs
+one all-reduce forward (after the row layer) and one backward (before the column layer). With
+``sequence_parallel=True`` the input of a column layer is split along the sequence and
+all-gathered, and the output of a row layer is reduce-scattered along the sequence instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..mesh.collectives import all_gather, all_reduce, pvary, raw_all_reduce, reduce_scatter
+from ..mesh.mesh import Mesh, current_mesh
+from ..mesh.regions import gather_from_region
+from ..spec import shard_range
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "sum_grad_over",
+]
+
+
+def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
+    """Sum ``param``'s gradient over ``axis`` as it is produced (a hook on the parameter).
+
+    For parameters replicated over the tensor axis but used on sequence shards (norm weights,
+    row-layer biases under sequence parallelism): each rank's gradient is a partial sum.
+    """
+    if mesh.size(axis) == 1 or getattr(param, "_shardlib_grad_sum", None) == axis:
+        return
+
+    def hook(grad):
+        grad = grad.clone()
+        raw_all_reduce(grad, mesh, axis)
+        return grad
+
+    param.register_hook(hook)
+    param._shardlib_grad_sum = axis
+
+
+def _slice_rows(t: torch.Tensor | None, lo: int, hi: int, dim: int) -> torch.Tensor | None:
+    return None if t is None else t.detach().narrow(dim, lo, hi - lo).clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` ``(out, in)`` split by rows (output features) over ``axis``.
+
+    Args:
+        in_features: input width ``in`` (every rank sees the whole input).
+        out_features: global output width ``out``; this rank holds ``out_local`` rows
+            (``ceil(out / tp)``, fewer on trailing ranks when ``tp`` does not divide ``out``).
+        bias: learnable bias, split like the output.
+        axis: the tensor-parallel mesh axis.
+        gather_output: all-gather the output to ``(..., out)`` (backward keeps the local slice);
+            default False: the output stays ``(..., out_local)`` for a following row layer.
+        sequence_parallel: the input is ``(B, T / tp, in)`` and is all-gathered along
+            ``seq_dim`` (backward: reduce-scatter).
+        mesh: default :func:`~shardlib.current_mesh`.
+
+    Shapes: input ``(..., in)`` (or sequence-split), output ``(..., out_local)`` or
+    ``(..., out)`` with ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
+                 gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
+                 input_is_shared: bool = False, transposed: bool = False,
+                 mesh: Mesh | None = None, device=None, dtype=None):
+        super().__init__()
+        self.mesh = mesh if mesh is not None else current_mesh()
+        self.axis, self.in_features, self.out_features = axis, in_features, out_features
+        self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
+        self.input_is_shared, self.transposed = input_is_shared, transposed
+        self.lo, self.hi = shard_range(out_features, self.mesh.size(axis), self.mesh.index(axis))
+        kw = {"device": device, "dtype": dtype}
+        shape = (in_features, self.hi - self.lo) if transposed else (self.hi - self.lo, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        self.bias = nn.Parameter(torch.zeros(self.hi - self.lo, **kw)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, mesh: Mesh, axis: str = "tp", transposed: bool = False, **kwargs) -> "ColumnParallelLinear":
+        """This rank's column slice of an existing ``nn.Linear`` (or, ``transposed``, a Hugging Face
+        ``Conv1D`` whose weight is ``[in, out]``); weights copied."""
+        w = linear.weight
+        in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        layer = cls(in_f, out_f, linear.bias is not None, axis=axis, mesh=mesh, transposed=transposed,
+                    device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 1 if transposed else 0))
+            if linear.bias is not None:
+                layer.bias.copy_(_slice_rows(linear.bias, layer.lo, layer.hi, 0))
+        layer.weight.requires_grad_(w.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_shared:
+            pass  # the parent module already applied pvary / the sequence all-gather once for the group
+        elif self.sequence_parallel:
+            x = all_gather(x, self.axis, self.seq_dim, mesh=self.mesh)
+        else:
+            x = pvary(x, self.axis, mesh=self.mesh)
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_region(y, self.axis, -1, self.out_features, mesh=self.mesh)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.hi - self.lo}), axis={self.axis!r}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` ``(out, in)`` split by columns (input features) over ``axis``.
+
+    The input is already split (``(..., in_local)``, the output of a column layer); partial
+    products are all-reduced (or, with ``sequence_parallel``, reduce-scattered along
+    ``seq_dim``), then the replicated bias is added once.
+
+    Args:
+        in_features: global input width ``in``; this rank holds ``in_local`` columns.
+        out_features: output width ``out`` (whole on every rank).
+        bias: learnable bias ``(out,)``, replicated (its gradient is summed over ``axis`` under
+            sequence parallelism).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
+                 sequence_parallel: bool = False, seq_dim: int = 1, transposed: bool = False,
+                 mesh: Mesh | None = None, device=None, dtype=None):
+        super().__init__()
+        self.mesh = mesh if mesh is not None else current_mesh()
+        self.axis, self.in_features, self.out_features = axis, in_features, out_features
+        self.sequence_parallel, self.seq_dim, self.transposed = sequence_parallel, seq_dim, transposed
+        self.lo, self.hi = shard_range(in_features, self.mesh.size(axis), self.mesh.index(axis))
+        kw = {"device": device, "dtype": dtype}
+        shape = (self.hi - self.lo, out_features) if transposed else (out_features, self.hi - self.lo)
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            sum_grad_over(self.bias, axis, self.mesh)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, mesh: Mesh, axis: str = "tp", transposed: bool = False, **kwargs) -> "RowParallelLinear":
+        """This rank's row slice of an existing ``nn.Linear`` (or transposed ``Conv1D``); weights
+        copied, bias whole."""
+        w = linear.weight
+        in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        layer = cls(in_f, out_f, linear.bias is not None, axis=axis, mesh=mesh, transposed=transposed,
+                    device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 0 if transposed else 1))
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        layer.weight.requires_grad_(w.requires_grad)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter(y, self.axis, self.seq_dim, mesh=self.mesh)
+        else:
+            y = all_reduce(y, self.axis, mesh=self.mesh)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.hi - self.lo}), out={self.out_features}, axis={self.axis!r}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding ``(vocab, dim)`` split by rows (vocabulary) over ``axis``.
+
+    Each rank looks up the ids in its range ``[lo, hi)`` (others give zero rows) and the partial
+    results are all-reduced; with ``sequence_parallel`` they are reduce-scattered along
+    ``seq_dim`` instead (the entry into the sequence-parallel region, Megatron's choice).
+
+    Shapes: ids ``(B, T)`` int64 -> ``(B, T, dim)`` (``(B, T / tp, dim)`` sequence-parallel).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 axis: str = "tp", sequence_parallel: bool = False, seq_dim: int = 1,
+                 mesh: Mesh | None = None, device=None, dtype=None):
+        super().__init__()
+        self.mesh = mesh if mesh is not None else current_mesh()
+        self.axis, self.num_embeddings, self.embedding_dim = axis, num_embeddings, embedding_dim
+        self.padding_idx, self.sequence_parallel, self.seq_dim = padding_idx, sequence_parallel, seq_dim
+        self.lo, self.hi = shard_range(num_embeddings, self.mesh.size(axis), self.mesh.index(axis))
+        self.weight = nn.Parameter(torch.empty(self.hi - self.lo, embedding_dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "VocabParallelEmbedding":
+        w = emb.weight
+        layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
+                    device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 0))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.lo) | (ids >= self.hi)
+        if self.hi > self.lo:
+            local = (ids - self.lo).clamp(0, self.hi - self.lo - 1)
+            y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:  # an empty shard (vocabulary smaller than the axis): contributes zeros
+            y = self.weight.new_zeros(ids.shape + (self.embedding_dim,)) + self.weight.sum() * 0
+        if self.sequence_parallel:
+            return reduce_scatter(y, self.axis, self.seq_dim, mesh=self.mesh)
+        return all_reduce(y, self.axis, mesh=self.mesh)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings} (local rows [{self.lo}, {self.hi})), {self.embedding_dim}, axis={self.axis!r}"
+
+
+class ParallelEmbedding(nn.Module):
+    """An embedding ``(vocab, dim)`` split by columns (embedding dimension) over ``axis``.
+
+    Each rank looks up ``dim_local`` features, then they are gathered (fairscale's
+    ``ParallelEmbedding``). Shapes: ids ``(B, T)`` -> ``(B, T, dim)``, replicated.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 axis: str = "tp", mesh: Mesh | None = None, device=None, dtype=None):
+        super().__init__()
+        self.mesh = mesh if mesh is not None else current_mesh()
+        self.axis, self.num_embeddings, self.embedding_dim, self.padding_idx = axis, num_embeddings, embedding_dim, padding_idx
+        self.lo, self.hi = shard_range(embedding_dim, self.mesh.size(axis), self.mesh.index(axis))
+        self.weight = nn.Parameter(torch.empty(num_embeddings, self.hi - self.lo, device=device, dtype=dtype))
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "ParallelEmbedding":
+        w = emb.weight
+        layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
+                    device=w.device, dtype=w.dtype, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 1))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(ids, self.weight)
+        return gather_from_region(y, self.axis, -1, self.embedding_dim, mesh=self.mesh)

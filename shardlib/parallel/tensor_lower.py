@@ -1,0 +1,116 @@
+"""Apply a plan's tensor-parallel layers to a model: swap modules, share inputs, enter SP.
+
+Lowering (after :mod:`tensor_rules` decided the roles):
+
+1. every planned module is replaced in its parent by its parallel form, keeping the attribute
+   name, so parameter names do not change; a tied tensor (embedding and LM head) becomes one
+   local parameter shared by both new modules;
+2. column layers that share their parent's input (q/k/v; gate/up; fc_in) take it from one
+   ``pvary`` (or one sequence all-gather) applied in a forward pre-hook of the parent, so the
+   backward does one all-reduce per group, as Megatron's fused QKV does;
+3. with ``sequence_parallel``: the input of the module named ``drop`` (GPT-2's embedding
+   dropout) is split along the sequence, or else the vocabulary-parallel embedding
+   reduce-scatters its output; norm weights get their gradient summed over the tensor axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+from ..mesh.collectives import all_gather, pvary
+from ..mesh.regions import scatter_to_region
+from .tensor import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding, sum_grad_over
+
+__all__ = ["lower_tensor_parallel"]
+
+
+def _replace_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return args[:i] + (fn(a),) + args[i + 1 :], kwargs
+    for key in ("hidden_states", "x", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise RuntimeError("tensor parallel: found no floating-point input tensor to share among column layers")
+
+
+def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
+    """Replace the modules listed in ``plan.tp_layers``; return the hook handles installed."""
+    hooks: list = []
+    if not plan.tp_layers:
+        return hooks
+    sp = plan.sequence_parallel
+    local_of: dict[int, nn.Parameter] = {}
+    groups: dict[str, str] = {}
+    for layer in plan.tp_layers:
+        parent_path, _, attr = layer.path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        axis = layer.axis
+        if layer.kind == "column":
+            new = ColumnParallelLinear.from_linear(
+                old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer,
+                sequence_parallel=sp, input_is_shared=bool(layer.group))
+            if layer.group:
+                groups[layer.group] = axis
+        elif layer.kind == "row":
+            new = RowParallelLinear.from_linear(old, mesh, axis, transposed=layer.transposed, sequence_parallel=sp)
+        elif layer.kind == "vocab":
+            new = VocabParallelEmbedding.from_embedding(old, mesh, axis)
+        else:
+            new = ParallelEmbedding.from_embedding(old, mesh, axis)
+        shared = local_of.get(id(old.weight))
+        if shared is not None:
+            if shared.shape != new.weight.shape:
+                raise ShardingError(f"tied parameter of {layer.path} gets two different local shapes")
+            new.weight = shared
+        else:
+            local_of[id(old.weight)] = new.weight
+        setattr(parent, attr, new)
+
+    for group, axis in groups.items():
+        parent = model.get_submodule(group) if group else model
+        if sp:
+            op = lambda t, axis=axis: all_gather(t, axis, 1, mesh=mesh)  # noqa: E731
+        else:
+            op = lambda t, axis=axis: pvary(t, axis, mesh=mesh)  # noqa: E731
+        hooks.append(parent.register_forward_pre_hook(lambda m, a, k, op=op: _replace_first_tensor(a, k, op), with_kwargs=True))
+
+    if sp:
+        axis = plan.tp_layers[0].axis
+        hooks += _enter_sequence_parallel(model, plan, mesh, axis)
+        for name, module in model.named_modules():
+            if "Norm" in type(module).__name__:
+                for prm in module.parameters(recurse=False):
+                    sum_grad_over(prm, axis, mesh)
+    return hooks
+
+
+def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) -> list:
+    n = mesh.size(axis)
+
+    def check(t: torch.Tensor) -> torch.Tensor:
+        if t.shape[1] % n:
+            raise ShardingError(
+                f"sequence_parallel splits the sequence over {axis!r} (size {n}), but the sequence length is "
+                f"{t.shape[1]} (activation shape {tuple(t.shape)}). Fix: use a length divisible by {n}"
+            )
+        return t
+
+    drop = next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "drop"), None)
+    if drop is not None:
+        split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
+        return [drop.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True)]
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            module.sequence_parallel = True
+            return []
+    raise ShardingError(
+        "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after the "
+        "embeddings (GPT-2), or a vocabulary-parallel embedding (split the embedding weight P('tp', None)). "
+        f"Neither was found in {type(model).__name__}"
+    )

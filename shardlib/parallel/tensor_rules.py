@@ -1,0 +1,215 @@
+"""Plan-time rules of tensor parallelism: which layer a spec on a non-data axis makes, and checks.
+
+Meaning of a spec along a tensor axis ``tp`` (DESIGN.md), by the module owning the parameter:
+
+==================================  ===================  ==============================
+module, parameter, spec             role                 lowered to
+==================================  ===================  ==============================
+``Linear.weight [out, in]`` P(tp,)  column               :class:`ColumnParallelLinear`
+``Linear.weight`` P(None, tp)       row                  :class:`RowParallelLinear`
+``Conv1D.weight [in, out]`` (HF)    column / row          same, transposed storage
+``Embedding.weight`` P(tp,)         vocab                :class:`VocabParallelEmbedding`
+``Embedding.weight`` P(None, tp)    embed_dim            :class:`ParallelEmbedding`
+==================================  ===================  ==============================
+
+Checks, all raising :class:`~shardlib.errors.ShardingError` at plan time: a row layer must
+have a column-parallel sibling (its input must arrive split); every other Linear sibling of a
+row layer must be column parallel on the same axis (q/k/v, gate/up must agree); attention
+heads (and key/value heads under GQA) must divide by the axis size; norm weights are never
+split; a bias follows its weight. A column layer with no row sibling is an output layer (the
+language-model head): its output is all-gathered, or kept vocabulary-parallel on request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..errors import ShardingError
+from ..spec import PartitionSpec
+
+__all__ = ["TPLayer", "analyze_tensor_parallel"]
+
+
+@dataclass(frozen=True)
+class TPLayer:
+    """One module lowered to a tensor-parallel layer.
+
+    Attributes:
+        path: module path in the model (``"blocks.0.attn.q_proj"``).
+        kind: ``"column"``, ``"row"``, ``"vocab"`` or ``"embed_dim"``.
+        axis: the tensor mesh axis.
+        in_features, out_features: global sizes (embeddings: vocabulary, dim).
+        transposed: the weight is stored ``[in, out]`` (Hugging Face ``Conv1D``).
+        output_layer: a column layer with no row partner; its output is gathered.
+        group: the parent module whose input is shared by this group of column layers.
+    """
+
+    path: str
+    kind: str
+    axis: str
+    in_features: int
+    out_features: int
+    transposed: bool = False
+    output_layer: bool = False
+    group: str = ""
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf")
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return "Norm" in type(m).__name__
+
+
+def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(head_dim, heads, kv_heads) read off an attention module or its config, when present."""
+    cfg = getattr(m, "config", None)
+
+    def first(*names):
+        for obj in (m, cfg):
+            for name in names:
+                value = getattr(obj, name, None) if obj is not None else None
+                if isinstance(value, int) and value > 0:
+                    return value
+        return None
+
+    return (first("head_dim", "head_size"), first("num_heads", "n_head", "num_attention_heads"),
+            first("num_key_value_heads", "num_kv_heads", "n_kv_head"))
+
+
+def analyze_tensor_parallel(
+    model: nn.Module, specs: dict[str, tuple[PartitionSpec, str]], mesh_shape: dict[str, int], data_axes: tuple[str, ...]
+) -> tuple[dict[str, str], list[TPLayer]]:
+    """Decide the tensor-parallel role of every parameter and module; check the structure.
+
+    Args:
+        model: the unsharded model.
+        specs: ``resolve_specs`` output, ``{canonical name: (spec, source)}``.
+        mesh_shape: ``{axis: size}``.
+        data_axes: the data axes (specs along them mean ZeRO-3, handled elsewhere).
+
+    Returns:
+        ``({param name: role}, [TPLayer])``; roles are ``"column"``, ``"row"``, ``"vocab"``,
+        ``"embed_dim"`` or ``"replicated"``. Names include tied aliases.
+
+    Raises:
+        ShardingError: as listed in the module docstring.
+    """
+    canonical = {}
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(prm), name)
+    spec_of = {}
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        spec_of[name] = specs[canonical[id(prm)]]
+
+    def tp_axis(name: str, prm) -> tuple[str | None, int | None]:
+        spec, source = spec_of[name]
+        found = [(d, a) for d in range(len(spec)) for a in spec.dim_axes(d) if a not in data_axes]
+        if not found:
+            return None, None
+        dims = {d for d, _ in found}
+        if len(dims) > 1 or len(found) > 1:
+            raise ShardingError(
+                f"the spec {spec} ({source}) of {name} (shape {tuple(prm.shape)}) splits it over several tensor axes "
+                f"{[a for _, a in found]}; a parameter is split over one non-data axis. Fix: use one axis"
+            )
+        d, a = found[0]
+        if any(x in data_axes for x in spec.dim_axes(d)):
+            raise ShardingError(
+                f"the spec {spec} ({source}) of {name} mixes the data axis and the tensor axis {a!r} in one dimension; "
+                "ZeRO already shards every parameter over the data axes. Fix: drop the data axis from the spec"
+            )
+        return a, d
+
+    roles: dict[str, str] = {}
+    layers: list[TPLayer] = []
+    modules = dict(model.named_modules())
+    for path, m in modules.items():
+        own = [(n, p) for n, p in m._parameters.items() if p is not None]
+        if not own:
+            continue
+        full = {n: (f"{path}.{n}" if path else n) for n, _ in own}
+        w = m._parameters.get("weight")
+        axis, dim = tp_axis(full["weight"], w) if w is not None else (None, None)
+        for n, p in own:
+            if n == "weight":
+                continue
+            a, _ = tp_axis(full[n], p)
+            if a is not None and not (n == "bias" and axis == a):
+                raise ShardingError(
+                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {type(m).__name__} {path or '<root>'} "
+                    f"{'has no weight split over it' if n == 'bias' else 'has no tensor-parallel form for it'}. "
+                    "Fix: split the weight (a bias follows its weight), or leave this parameter replicated"
+                )
+        if axis is None:
+            continue
+        size = mesh_shape[axis]
+        if _is_norm(m):
+            raise ShardingError(
+                f"{full['weight']} (shape {tuple(w.shape)}) of the norm {path} is split over {axis!r}; norm weights are "
+                f"never split (mesh {mesh_shape}). Under sequence_parallel=True norms run on sequence shards with "
+                "replicated weights whose gradients are summed over the axis. Fix: leave the norm weight replicated (P())"
+            )
+        if isinstance(m, nn.Embedding):
+            kind = "vocab" if dim == 0 else "embed_dim"
+            layers.append(TPLayer(path, kind, axis, m.num_embeddings, m.embedding_dim))
+        elif isinstance(m, nn.Linear) or _is_conv1d(m):
+            transposed = _is_conv1d(m)
+            out_dim = 1 if transposed else 0
+            kind = "column" if dim == out_dim else "row"
+            in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+            layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed))
+        else:
+            raise ShardingError(
+                f"{full['weight']} of {type(m).__name__} {path} is split over {axis!r} (spec {spec_of[full['weight']][0]}), "
+                "but tensor parallelism lowers only Linear, Conv1D and Embedding weights. Fix: leave it replicated"
+            )
+        for n in full.values():
+            roles[n] = layers[-1].kind
+
+    # Structure: pair rows with columns among siblings; output layers; heads.
+    by_parent: dict[str, list[TPLayer]] = {}
+    for layer in layers:
+        by_parent.setdefault(layer.path.rpartition(".")[0], []).append(layer)
+    final: list[TPLayer] = []
+    for parent, group in by_parent.items():
+        rows = [g for g in group if g.kind == "row"]
+        cols = [g for g in group if g.kind == "column"]
+        parent_mod = modules[parent]
+        if rows:
+            if not cols:
+                raise ShardingError(
+                    f"row-parallel layer {rows[0].path} (split over {rows[0].axis!r}, size {mesh_shape[rows[0].axis]}) has "
+                    f"no column-parallel partner in {parent or '<root>'}: its input would arrive whole, not split. Fix: "
+                    "split the layer(s) feeding it by output features (P('tp', None) on their weight), or replicate it"
+                )
+            for name, child in parent_mod.named_children():
+                child_path = f"{parent}.{name}" if parent else name
+                if (isinstance(child, nn.Linear) or _is_conv1d(child)) and child_path not in {g.path for g in rows}:
+                    col = next((g for g in cols if g.path == child_path), None)
+                    if col is None or col.axis != rows[0].axis:
+                        raise ShardingError(
+                            f"in {parent or '<root>'}, {child_path} is not column parallel over {rows[0].axis!r} while "
+                            f"{', '.join(g.path for g in cols)} are, and {rows[0].path} is row parallel: projections that "
+                            "read the same input (q/k/v, gate/up) must be split the same way. Fix: give "
+                            f"{child_path}.weight the same spec as {cols[0].path}.weight"
+                        )
+            head_dim, heads, kv_heads = _heads(parent_mod)
+            n = mesh_shape[rows[0].axis]
+            for col in cols:
+                if head_dim and col.out_features % head_dim == 0:
+                    h = col.out_features // head_dim
+                    if h % n:
+                        what = "key/value heads" if kv_heads and h == kv_heads and kv_heads != heads else "heads"
+                        raise ShardingError(
+                            f"attention {parent}: {col.path} has {h} {what} (out_features {col.out_features}, head_dim "
+                            f"{head_dim}), which do not split over {col.axis!r} of size {n} (mesh {mesh_shape}). Fix: use a "
+                            f"tensor axis size dividing {h}, or replicate the attention projections"
+                        )
+        final += [TPLayer(g.path, g.kind, g.axis, g.in_features, g.out_features, g.transposed,
+                          output_layer=(g.kind == "column" and not rows), group=parent if rows else "")
+                  for g in group]
+    return roles, final
