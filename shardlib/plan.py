@@ -21,6 +21,7 @@ import torch
 
 from .errors import ShardingError
 from .mesh.comm import ring_bytes
+from .parallel.tensor_cost import tensor_parallel_collectives
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel
 from .spec import PartitionSpec, resolve_specs, shard_range
 
@@ -125,6 +126,8 @@ class Plan:
     params: tuple[ParamPlan, ...]
     tp_layers: tuple[TPLayer, ...] = ()
     sequence_parallel: bool = False
+    sp_entry: str = ""
+    sp_grad_params: tuple[str, ...] = ()
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -240,7 +243,7 @@ class Plan:
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
-    def comm_per_step(self, micro_steps: int = 1, clip: bool = False) -> dict[tuple[str, str], tuple[int, float]]:
+    def comm_per_step(self, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
         """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step.
 
         Args:
@@ -248,6 +251,9 @@ class Plan:
                 ``no_sync()``); stage 3 gathers the parameters again for each.
             clip: ``ZeroOptimizer(max_grad_norm=...)`` is used (one 4-byte all-reduce of the
                 squared norm under stages 1-3).
+            tokens: tokens in one micro-batch on one rank (local batch x sequence length);
+                needed for the activation collectives of tensor/sequence parallelism, which are
+                left out when it is None.
 
         One step is ``micro_steps`` forward and backward passes and ``ZeroOptimizer.step()``:
         stage 0 all-reduces the trainable chunks (2Ψ(N-1)/N); stages 1-2 reduce-scatter them and
@@ -256,10 +262,27 @@ class Plan:
         parameters). Ψ counts padded elements.
         """
         n = self.data_size
-        if n <= 1:
-            return {}
-        axis = "+".join(self.data_axes)
         out: dict[tuple[str, str], list] = {}
+        if tokens is not None:
+            mesh_shape = dict(self.mesh_shape)
+            itemsize = self.params[0].dtype.itemsize if self.params else 4
+            for c in tensor_parallel_collectives(self):
+                calls, total = out.setdefault((c.axis, c.kind), [0, 0.0])
+                nbytes = c.payload(tokens) * itemsize
+                out[(c.axis, c.kind)] = [calls + micro_steps, total + micro_steps * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
+        if clip:
+            mesh_shape = dict(self.mesh_shape)
+            tp_axes = tuple(sorted({layer.axis for layer in self.tp_layers}))
+            for sharded in sorted({c.tp_sharded for c in self.chunks if c.requires_grad}):
+                axes = (self.data_axes if self.effective_stage >= 1 else ()) + (tp_axes if sharded else ())
+                size = int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)) if axes else 1
+                if size > 1:
+                    key = ("+".join(axes), "all_reduce")
+                    calls, total = out.setdefault(key, [0, 0.0])
+                    out[key] = [calls + 1, total + float(ring_bytes("all_reduce", 4, size))]
+        if n <= 1:
+            return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+        axis = "+".join(self.data_axes)
 
         def add(kind, chunk, times=1):
             calls, total = out.setdefault((axis, kind), [0, 0.0])
@@ -278,56 +301,20 @@ class Plan:
                 add("all_gather", c, 2 * micro_steps)
                 if c.requires_grad:
                     add("reduce_scatter", c)
-        if clip and self.zero_stage >= 1:
-            calls, total = out.setdefault((axis, "all_reduce"), [0, 0.0])
-            out[(axis, "all_reduce")] = [calls + 1, total + float(ring_bytes("all_reduce", 4, n))]
         return {k: (v[0], v[1]) for k, v in sorted(out.items())}
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self) -> str:
-        """The plan as text: a row per parameter, then memory and communication totals."""
-        mesh = dict(self.mesh_shape)
-        coords = self.mesh.coords() if self.mesh is not None else {a: 0 for a in mesh}
-        rank = self.mesh.rank if self.mesh is not None else 0
-        stage = self.effective_stage
-        lines = [
-            f"Plan: mesh {mesh}, rank {rank} at {coords}; zero_stage={self.zero_stage}"
-            + (f" (runs as 0: one data rank)" if stage != self.zero_stage else "")
-            + f" over data axes {self.data_axes or '()'} (N={self.data_size}); "
-            f"{len(self.chunks)} chunks of <= {self.chunk_size:,} elements",
-        ]
-        rows = [("parameter", "global shape", "spec", "strategy", "local shape", "bytes")]
-        for p in self.params:
-            name = p.name + (f" (= {', '.join(p.aliases)})" if p.aliases else "")
-            if not p.requires_grad:
-                name += " [frozen]"
-            local = self.local_numel(p)
-            local_shape = str(self.local_shape(p)) if stage != 3 else f"flat[{local}]"
-            itemsize = torch.empty((), dtype=p.dtype).element_size()
-            rows.append((name, str(p.global_shape), str(p.spec), p.strategy, local_shape, f"{local * itemsize:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        pad = sum(c.padded_numel - c.numel for c in self.chunks)
-        lines.append(
-            f"parameters: {sum(p.numel for p in self.params):,} elements "
-            f"({sum(p.numel for p in self.params if p.requires_grad):,} trainable), {pad:,} padding elements"
-        )
-        lines.append(
-            f"model state per rank: params {self.param_bytes:,} B + grads {self.grad_bytes:,} B + "
-            f"optimizer {self.optimizer_bytes:,} B ({self.optimizer_states} states) = {self.model_state_bytes:,} B"
-        )
-        comm = self.comm_per_step()
-        if comm:
-            lines.append("communication per step (per rank, logical ring bytes):")
-            for (axis, kind), (calls, nbytes) in comm.items():
-                lines.append(f"  {axis:<6} {kind:<15} {calls:>5} calls  {nbytes:>16,.0f} B")
-            lines.append(f"  total                         {sum(b for _, b in comm.values()):>16,.0f} B")
-        else:
-            lines.append("communication per step: none")
-        return "\n".join(lines)
+    def explain(self, tokens: int | None = None) -> str:
+        """The plan as text: a row per parameter, the tensor-parallel layers with their
+        collectives, then memory and communication totals (see :func:`shardlib.explain.explain`).
+
+        Args:
+            tokens: tokens per micro-batch per rank; when given, activation collectives of
+                tensor/sequence parallelism are included in the per-step totals.
+        """
+        from .explain import explain
+
+        return explain(self, tokens)
 
     def __str__(self) -> str:
         return self.explain()
@@ -484,6 +471,26 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             f"split no row layer (mesh {mesh_shape}). Fix: add tensor-parallel specs (e.g. models.gpt.tp_specs()), "
             "or drop sequence_parallel"
         )
+    sp_entry, sp_grad_params = "", ()
+    if sequence_parallel:
+        module_names = [n.rpartition(".")[2] for n, _ in model.named_modules()]
+        if "drop" in module_names:
+            sp_entry = "drop"
+        elif any(layer.kind == "vocab" for layer in tp_layers):
+            sp_entry = "vocab"
+        else:
+            raise ShardingError(
+                "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after "
+                "the embeddings (GPT-2), or a vocabulary-parallel embedding (split the embedding weight P('tp', None)). "
+                f"Neither was found in {type(model).__name__}"
+            )
+        row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
+        names = []
+        for mname, module in model.named_modules():
+            for pname, prm in module.named_parameters(prefix=mname, recurse=False):
+                if prm.requires_grad and ("Norm" in type(module).__name__ or pname in row_biases):
+                    names.append(pname)
+        sp_grad_params = tuple(dict.fromkeys(names))
     zero = "replicated" if stage == 0 else f"zero-{stage}"
 
     layers_by_path = {layer.path: layer for layer in tp_layers}
@@ -529,5 +536,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         params=tuple(param_plans),
         tp_layers=tuple(tp_layers),
         sequence_parallel=sequence_parallel,
+        sp_entry=sp_entry,
+        sp_grad_params=sp_grad_params,
         mesh=mesh,
     )

@@ -83,10 +83,9 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
     if sp:
         axis = plan.tp_layers[0].axis
         hooks += _enter_sequence_parallel(model, plan, mesh, axis)
-        for name, module in model.named_modules():
-            if "Norm" in type(module).__name__:
-                for prm in module.parameters(recurse=False):
-                    sum_grad_over(prm, axis, mesh)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name in plan.sp_grad_params:
+            sum_grad_over(params[name], axis, mesh)
     return hooks
 
 
@@ -101,16 +100,11 @@ def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) 
             )
         return t
 
-    drop = next((m for name, m in model.named_modules() if name.rpartition(".")[2] == "drop"), None)
-    if drop is not None:
+    if plan.sp_entry == "drop":
+        drop = next(m for name, m in model.named_modules() if name.rpartition(".")[2] == "drop")
         split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
         return [drop.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True)]
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding):
             module.sequence_parallel = True
-            return []
-    raise ShardingError(
-        "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after the "
-        "embeddings (GPT-2), or a vocabulary-parallel embedding (split the embedding weight P('tp', None)). "
-        f"Neither was found in {type(model).__name__}"
-    )
+    return []

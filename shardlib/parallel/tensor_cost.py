@@ -1,0 +1,94 @@
+"""The communication of tensor and sequence parallelism, per micro-batch, from the plan alone.
+
+Megatron's analysis (arXiv 1909.08053 section 3; 2205.05198 section 4): a transformer layer
+does two all-reduces of the activations ``(tokens, hidden)`` forward and two backward; with
+sequence parallelism each becomes an all-gather plus a reduce-scatter of the same payload, so
+the volume is unchanged. Every entry here is one collective of ``per_token * tokens`` elements
+(plus ``fixed`` elements, for gradient sums of replicated parameters), where ``tokens`` is the
+number of tokens in one micro-batch on one rank before any sequence split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TPCollective", "tensor_parallel_collectives"]
+
+
+@dataclass(frozen=True)
+class TPCollective:
+    """One collective of a tensor-parallel layer per micro-batch.
+
+    Attributes:
+        layer: module path. phase: ``"forward"`` or ``"backward"``. kind: collective kind.
+        axis: the tensor axis. per_token: payload elements per token. fixed: payload elements
+        independent of tokens (parameter gradients).
+    """
+
+    layer: str
+    phase: str
+    kind: str
+    axis: str
+    per_token: int
+    fixed: int = 0
+
+    def payload(self, tokens: int) -> int:
+        return self.per_token * tokens + self.fixed
+
+
+def tensor_parallel_collectives(plan) -> list[TPCollective]:
+    """Every tensor/sequence-parallel collective one micro-batch issues under ``plan``."""
+    out: list[TPCollective] = []
+    sp = plan.sequence_parallel
+    mesh_shape = dict(plan.mesh_shape)
+    seen_groups: set[str] = set()
+    for layer in plan.tp_layers:
+        a = layer.axis
+        n = mesh_shape[a]
+        if layer.kind == "column":
+            if layer.group:
+                if layer.group not in seen_groups:
+                    seen_groups.add(layer.group)
+                    if sp:
+                        out += [TPCollective(layer.group, "forward", "all_gather", a, layer.in_features),
+                                TPCollective(layer.group, "backward", "reduce_scatter", a, layer.in_features)]
+                    else:
+                        out.append(TPCollective(layer.group, "backward", "all_reduce", a, layer.in_features))
+            else:
+                if sp:
+                    out += [TPCollective(layer.path, "forward", "all_gather", a, layer.in_features),
+                            TPCollective(layer.path, "backward", "reduce_scatter", a, layer.in_features)]
+                else:
+                    out.append(TPCollective(layer.path, "backward", "all_reduce", a, layer.in_features))
+                if layer.output_layer:
+                    block = -(-layer.out_features // n)
+                    out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
+        elif layer.kind == "row":
+            if sp:
+                out += [TPCollective(layer.path, "forward", "reduce_scatter", a, layer.out_features),
+                        TPCollective(layer.path, "backward", "all_gather", a, layer.out_features)]
+            else:
+                out.append(TPCollective(layer.path, "forward", "all_reduce", a, layer.out_features))
+        elif layer.kind == "vocab":
+            entry_here = sp and not plan_has_drop(plan)
+            if entry_here:
+                out += [TPCollective(layer.path, "forward", "reduce_scatter", a, layer.out_features),
+                        TPCollective(layer.path, "backward", "all_gather", a, layer.out_features)]
+            else:
+                out.append(TPCollective(layer.path, "forward", "all_reduce", a, layer.out_features))
+        else:  # embed_dim
+            block = -(-layer.out_features // n)
+            out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
+    if sp and plan.tp_layers:
+        a = plan.tp_layers[0].axis
+        if plan_has_drop(plan):
+            hidden = next(layer.in_features for layer in plan.tp_layers if layer.kind == "column")
+            out.append(TPCollective("drop", "backward", "all_gather", a, hidden))
+        for p in plan.params:
+            if p.name in plan.sp_grad_params:
+                out.append(TPCollective(p.name, "backward", "all_reduce", a, 0, p.numel))
+    return out
+
+
+def plan_has_drop(plan) -> bool:
+    return plan.sp_entry == "drop"
