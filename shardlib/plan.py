@@ -30,7 +30,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")
 _OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
-            "sequence_parallel"}
+            "sequence_parallel", "dropout_seed"}
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,7 @@ class Plan:
     sequence_parallel: bool = False
     sp_entry: str = ""
     sp_grad_params: tuple[str, ...] = ()
+    dropout_seed: int = 0
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -361,6 +362,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         broadcast_buffers: re-broadcast buffers from the data-axis root before every forward
             (DDP's default); default False (buffers are synchronized once, at shard time).
         logical_axis_rules: a table from logical axis names used in ``specs`` to mesh axes.
+        sequence_parallel: Megatron sequence parallelism on the tensor axis (arXiv 2205.05198).
+        dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
+            (:mod:`shardlib.random`); default 0.
 
     Returns:
         The :class:`Plan`.
@@ -538,5 +542,6 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         sequence_parallel=sequence_parallel,
         sp_entry=sp_entry,
         sp_grad_params=sp_grad_params,
+        dropout_seed=int(options.get("dropout_seed", 0)),
         mesh=mesh,
     )

@@ -11,6 +11,7 @@ from torch import nn
 from .mesh.regions import _uneven_gather
 from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.zero import ZeroRuntime
+from .random import mesh_independent_dropout
 from .plan import Plan, plan
 
 __all__ = ["ShardedModule", "shard", "full_state_dict", "full_grads", "model_state_bytes"]
@@ -37,7 +38,16 @@ class ShardedModule(nn.Module):
         self.module = module
         self.plan = plan
         self.mesh = plan.mesh
+        # Fixed lowering order: dropout first (the sequence-parallel entry hooks onto the new
+        # module), then tensor parallelism (swaps modules), then ZeRO (packs the local params).
+        self._dropouts = mesh_independent_dropout(module, seed=plan.dropout_seed)
         self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
+        for drop in self._dropouts:
+            drop.batch_parts = plan.data_size
+            drop.batch_index = plan.mesh.index(plan.data_axes) if plan.data_axes else 0
+            if plan.sequence_parallel:
+                axis = plan.tp_layers[0].axis
+                drop.seq_parts, drop.seq_index = plan.mesh.size(axis), plan.mesh.index(axis)
         self._zero = ZeroRuntime(module, plan, plan.mesh)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -42,7 +42,10 @@ class GPTConfig:
         n_layer: number of transformer blocks.
         n_head: attention heads per block; must divide ``n_embd``.
         n_embd: C, the residual stream width.
-        dropout: dropout probability on embeddings, attention weights and residual branches.
+        dropout: dropout probability on the embeddings and the residual branches (``nn.Dropout``
+            modules, which ``shard`` makes mesh-independent).
+        attn_dropout: dropout probability on attention weights, inside
+            ``scaled_dot_product_attention`` (torch's RNG: not mesh-independent; default 0).
         bias: whether Linear layers and LayerNorms have a bias.
         tie_embeddings: share one ``(V, C)`` tensor between ``wte`` and ``lm_head`` (GPT-2).
         mlp_ratio: the MLP hidden width is ``mlp_ratio * n_embd``.
@@ -54,6 +57,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    attn_dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
     mlp_ratio: int = 4
@@ -83,7 +87,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(C, C, bias=config.bias)
         self.v_proj = nn.Linear(C, C, bias=config.bias)
         self.o_proj = nn.Linear(C, C, bias=config.bias)
-        self.dropout = config.dropout
+        self.dropout = config.attn_dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

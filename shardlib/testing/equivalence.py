@@ -96,8 +96,11 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
 
 
 def _reference(make_model, batch, steps, harness):
+    from ..random import mesh_independent_dropout
+
     torch.manual_seed(harness["seed"])
     model = make_model()
+    mesh_independent_dropout(model, seed=harness["dropout_seed"])  # the same masks as every sharded run
     opt = harness["optimizer_cls"]([p for p in model.parameters() if p.requires_grad], **harness["optimizer_kwargs"])
     names = {id(p): n for n, p in model.named_parameters()}
     records = []
@@ -184,6 +187,7 @@ def assert_equivalent(
         "accum_steps": options.pop("accum_steps", 1),
         "max_grad_norm": options.pop("max_grad_norm", None),
         "seed": options.pop("seed", 0),
+        "dropout_seed": options.get("dropout_seed", 0),
     }
     rtol = options.pop("rtol", None)
     world = 1

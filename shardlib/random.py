@@ -1,0 +1,142 @@
+"""Mesh-independent random numbers: drawn by global element index, not by rank.
+
+JAX's partitionable threefry is the model: a random value is a pure function of (seed, stream,
+counter, global index of the element), so a dropout mask or an initial weight is the same
+whatever the mesh, and equal to the single-device one. Replicated copies get identical values;
+shards get different slices of one global tensor. The hash is SplitMix64 (Steele, Lea and
+Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014) on int64 with wrapping
+arithmetic, then the top 24 bits as a float in ``[0, 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["counter_uniform", "counter_normal_", "MeshDropout", "mesh_independent_dropout"]
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    return x ^ _srl(x, 31)
+
+
+def _key(seed: int, stream: int, counter: int) -> int:
+    k = torch.tensor([seed], dtype=torch.int64)
+    for v in (stream, counter):
+        k = _mix(k * _GOLDEN + v)
+    return int(k.item())
+
+
+def _global_index(local_shape: Sequence[int], global_shape: Sequence[int], offsets: Sequence[int], device) -> torch.Tensor:
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    for dim, (n, g, o) in enumerate(zip(local_shape, global_shape, offsets)):
+        shape = [1] * len(local_shape)
+        shape[dim] = n
+        index = index * g + (torch.arange(n, dtype=torch.int64, device=device) + o).view(shape)
+    return index.expand(tuple(local_shape)) if local_shape else index
+
+
+def counter_uniform(seed: int, stream: int, counter: int, local_shape: Sequence[int],
+                    global_shape: Sequence[int] | None = None, offsets: Sequence[int] | None = None,
+                    device=None) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float32 values of the block of a global tensor held locally.
+
+    Args:
+        seed, stream, counter: the key (stream separates modules; counter separates calls).
+        local_shape: shape of the local block.
+        global_shape: shape of the whole tensor (default: the local shape).
+        offsets: the block's starting index in each dimension (default: zeros).
+
+    Returns:
+        float32 ``local_shape``; element ``i`` equals element ``offsets + i`` of
+        ``counter_uniform(seed, stream, counter, global_shape)``.
+    """
+    global_shape = tuple(local_shape) if global_shape is None else tuple(global_shape)
+    offsets = (0,) * len(local_shape) if offsets is None else tuple(offsets)
+    idx = _global_index(tuple(local_shape), global_shape, offsets, device)
+    bits = _mix(idx ^ _key(seed, stream, counter))
+    return _srl(bits, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def counter_normal_(tensor: torch.Tensor, std: float, seed: int, stream: int,
+                    global_shape: Sequence[int] | None = None, offsets: Sequence[int] | None = None) -> torch.Tensor:
+    """Fill ``tensor`` (a block of a global tensor) with ``N(0, std^2)`` values by global index
+    (Box-Muller on two counter streams). The full tensor is the same for any sharding."""
+    u1 = counter_uniform(seed, stream, 0, tensor.shape, global_shape, offsets, tensor.device)
+    u2 = counter_uniform(seed, stream, 1, tensor.shape, global_shape, offsets, tensor.device)
+    z = torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)
+    with torch.no_grad():
+        return tensor.copy_(z * std)
+
+
+class MeshDropout(nn.Module):
+    """Dropout whose mask depends on the global position of each element, not on the rank.
+
+    Args:
+        p: drop probability.
+        seed: the run's dropout seed.
+        stream: separates modules (:func:`mesh_independent_dropout` hashes the module path).
+
+    The layout of the input is set by the planner: dimension 0 (batch) split over
+    ``batch_parts`` ranks at index ``batch_index``; dimension 1 (sequence) over ``seq_parts``
+    at ``seq_index`` under sequence parallelism. Each training-mode call advances a counter, so
+    two runs that call the module equally often draw equal masks.
+    """
+
+    def __init__(self, p: float = 0.5, seed: int = 0, stream: int = 0):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p, self.seed, self.stream = p, seed, stream
+        self.calls = 0
+        self.batch_parts, self.batch_index, self.seq_parts, self.seq_index = 1, 0, 1, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = tuple(x.shape)
+        global_shape = list(shape)
+        offsets = [0] * len(shape)
+        if len(shape) >= 1:
+            global_shape[0], offsets[0] = shape[0] * self.batch_parts, shape[0] * self.batch_index
+        if len(shape) >= 2:
+            global_shape[1], offsets[1] = shape[1] * self.seq_parts, shape[1] * self.seq_index
+        u = counter_uniform(self.seed, self.stream, self.calls, shape, global_shape, offsets, x.device)
+        self.calls += 1
+        keep = (u >= self.p).to(x.dtype)
+        return x * keep / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, seed={self.seed}, stream={self.stream}"
+
+
+def mesh_independent_dropout(model: nn.Module, seed: int = 0) -> list[MeshDropout]:
+    """Replace every ``nn.Dropout`` of ``model`` by a :class:`MeshDropout` (in place).
+
+    The stream of each is a hash of its module path, so the same model gets the same masks in
+    any process. Returns the new modules.
+    """
+    made = []
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Dropout:
+                full = f"{path}.{name}" if path else name
+                new = MeshDropout(child.p, seed, zlib.crc32(full.encode()))
+                new.train(child.training)
+                setattr(module, name, new)
+                made.append(new)
+    return made
