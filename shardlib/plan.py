@@ -30,7 +30,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")
 _OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
-            "sequence_parallel", "dropout_seed"}
+            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class ParamPlan:
     requires_grad: bool
     tp_axis: str | None = None
     tp_dim: int | None = None
+    tp_fused: int = 1
 
     @property
     def numel(self) -> int:
@@ -71,8 +72,9 @@ class ParamPlan:
         if self.tp_axis is None:
             return self.global_shape
         shape = list(self.global_shape)
-        lo, hi = shard_range(shape[self.tp_dim], mesh_shape[self.tp_axis], coords[self.tp_axis])
-        shape[self.tp_dim] = hi - lo
+        block = shape[self.tp_dim] // self.tp_fused
+        lo, hi = shard_range(block, mesh_shape[self.tp_axis], coords[self.tp_axis])
+        shape[self.tp_dim] = (hi - lo) * self.tp_fused
         return tuple(shape)
 
 
@@ -127,6 +129,7 @@ class Plan:
     tp_layers: tuple[TPLayer, ...] = ()
     sequence_parallel: bool = False
     sp_entry: str = ""
+    sp_exit: str = ""
     sp_grad_params: tuple[str, ...] = ()
     dropout_seed: int = 0
     mesh: Any = field(compare=False, repr=False, default=None)
@@ -362,7 +365,13 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         broadcast_buffers: re-broadcast buffers from the data-axis root before every forward
             (DDP's default); default False (buffers are synchronized once, at shard time).
         logical_axis_rules: a table from logical axis names used in ``specs`` to mesh axes.
+        fused: ``{module glob: blocks}`` for column layers whose output joins several
+            projections, each split separately (GPT-2's ``c_attn``: ``{"*.c_attn": 3}``).
         sequence_parallel: Megatron sequence parallelism on the tensor axis (arXiv 2205.05198).
+        sp_entry: the module whose input is split along the sequence (default: ``drop``, else
+            the first decoder block).
+        sp_exit: a module whose output is gathered along the sequence (GPT-2's ``ln_f``, before
+            Hugging Face reshapes by the full length); default: the output layer gathers.
         dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
             (:mod:`shardlib.random`); default 0.
 
@@ -467,7 +476,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
                 f"Fix: pass data_axes=({axis!r},) (or name it 'dp'), give it size 1, or shard parameters along it"
             )
 
-    roles, tp_layers = analyze_tensor_parallel(model, resolved, mesh_shape, data_axes)
+    roles, tp_layers = analyze_tensor_parallel(model, resolved, mesh_shape, data_axes, options.get("fused"))
     sequence_parallel = bool(options.get("sequence_parallel", False))
     if sequence_parallel and not any(layer.kind == "row" for layer in tp_layers):
         raise ShardingError(
@@ -477,17 +486,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         )
     sp_entry, sp_grad_params = "", ()
     if sequence_parallel:
-        module_names = [n.rpartition(".")[2] for n, _ in model.named_modules()]
-        if "drop" in module_names:
-            sp_entry = "drop"
-        elif any(layer.kind == "vocab" for layer in tp_layers):
-            sp_entry = "vocab"
-        else:
-            raise ShardingError(
-                "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after "
-                "the embeddings (GPT-2), or a vocabulary-parallel embedding (split the embedding weight P('tp', None)). "
-                f"Neither was found in {type(model).__name__}"
-            )
+        sp_entry = _sequence_parallel_entry(model, options.get("sp_entry"))
         row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
         names = []
         for mname, module in model.named_modules():
@@ -502,21 +501,21 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
                   ("vocab", False): 0, ("embed_dim", False): 1}
 
     def tp_split(names):
-        """(axis, dim) of the tensor split of a parameter known by ``names``, or (None, None)."""
+        """(axis, dim, fused) of the tensor split of a parameter known by ``names``."""
         for n in names:
             path, _, attr = n.rpartition(".")
             layer = layers_by_path.get(path)
             if layer is None:
                 continue
             if attr == "weight":
-                return layer.axis, weight_dim[(layer.kind, layer.transposed)]
+                return layer.axis, weight_dim[(layer.kind, layer.transposed)], layer.fused
             if attr == "bias" and layer.kind == "column":
-                return layer.axis, 0
-        return None, None
+                return layer.axis, 0, layer.fused
+        return None, None, 1
 
     param_plans = []
     for key, names in names_of.items():
-        axis, dim = tp_split(names)
+        axis, dim, fused_blocks = tp_split(names)
         role = next((roles[n] for n in names if n in roles), None)
         param_plans.append(ParamPlan(
             name=names[0],
@@ -529,6 +528,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             requires_grad=params[key].requires_grad,
             tp_axis=axis,
             tp_dim=dim,
+            tp_fused=fused_blocks,
         ))
     return Plan(
         mesh_shape=tuple(mesh_shape.items()),
@@ -541,7 +541,40 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         tp_layers=tuple(tp_layers),
         sequence_parallel=sequence_parallel,
         sp_entry=sp_entry,
+        sp_exit=_sp_exit(model, options.get("sp_exit")) if sequence_parallel else "",
         sp_grad_params=sp_grad_params,
         dropout_seed=int(options.get("dropout_seed", 0)),
         mesh=mesh,
     )
+
+
+def _sequence_parallel_entry(model: torch.nn.Module, given: str | None) -> str:
+    """The module whose input is split along the sequence (entering the SP region).
+
+    Default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the first
+    block of the longest ``ModuleList`` (the decoder layers: LLaMA), so that masks and positions
+    are computed on the whole sequence before the split.
+    """
+    modules = dict(model.named_modules())
+    if given is not None:
+        if given not in modules:
+            raise ShardingError(f"sp_entry {given!r} is not a module of {type(model).__name__}")
+        return given
+    drops = [name for name in modules if name.rpartition(".")[2] == "drop"]
+    if drops:
+        return drops[0]
+    lists = [(len(m), name) for name, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if lists:
+        return f"{max(lists, key=lambda t: t[0])[1]}.0"
+    raise ShardingError(
+        "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after the "
+        f"embeddings or a ModuleList of blocks; {type(model).__name__} has neither. Fix: pass sp_entry='<module path>'"
+    )
+
+
+def _sp_exit(model: torch.nn.Module, given: str | None) -> str:
+    if given is None:
+        return ""
+    if given not in dict(model.named_modules()):
+        raise ShardingError(f"sp_exit {given!r} is not a module of {type(model).__name__}")
+    return given

@@ -171,7 +171,13 @@ def _unshard(smodel: ShardedModule, pp, flat: dict[int, torch.Tensor]) -> torch.
     c, off = plan.placement[pp.name]
     shape = plan.local_shape(pp)
     local = flat[c][off : off + int(torch.Size(shape).numel())].view(shape)
-    if pp.tp_axis is not None:
+    if pp.tp_axis is not None and pp.tp_fused > 1:  # gathered rank-major; blocks back to block-major
+        n, k, d = smodel.mesh.size(pp.tp_axis), pp.tp_fused, pp.tp_dim
+        full = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), d, pp.global_shape[d])
+        width = pp.global_shape[d] // (n * k)
+        pieces = full.split(width, dim=d)  # rank r, block b at index r * k + b
+        local = torch.cat([pieces[r * k + b] for b in range(k) for r in range(n)], dim=d)
+    elif pp.tp_axis is not None:
         local = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), pp.tp_dim, pp.global_shape[pp.tp_dim])
     return local.clone()
 

@@ -50,6 +50,17 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
     param._shardlib_grad_sum = axis
 
 
+def _check_embedding(emb: nn.Embedding) -> None:
+    unsupported = [k for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(emb, k, None)]
+    if unsupported:
+        from ..errors import ShardingError
+
+        raise ShardingError(
+            f"nn.Embedding({emb.num_embeddings}, {emb.embedding_dim}) uses {unsupported}, which the parallel "
+            "embeddings do not implement. Fix: leave this embedding replicated"
+        )
+
+
 def _slice_rows(t: torch.Tensor | None, lo: int, hi: int, dim: int) -> torch.Tensor | None:
     return None if t is None else t.detach().narrow(dim, lo, hi - lo).clone()
 
@@ -75,18 +86,21 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
                  gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
-                 input_is_shared: bool = False, transposed: bool = False,
+                 input_is_shared: bool = False, transposed: bool = False, fused: int = 1,
                  mesh: Mesh | None = None, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh if mesh is not None else current_mesh()
         self.axis, self.in_features, self.out_features = axis, in_features, out_features
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
-        self.input_is_shared, self.transposed = input_is_shared, transposed
-        self.lo, self.hi = shard_range(out_features, self.mesh.size(axis), self.mesh.index(axis))
+        self.input_is_shared, self.transposed, self.fused = input_is_shared, transposed, fused
+        if fused > 1 and gather_output:
+            raise ValueError("a fused column layer cannot gather its output")
+        self.lo, self.hi = shard_range(out_features // fused, self.mesh.size(axis), self.mesh.index(axis))
+        local = (self.hi - self.lo) * fused
         kw = {"device": device, "dtype": dtype}
-        shape = (in_features, self.hi - self.lo) if transposed else (self.hi - self.lo, in_features)
+        shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, **kw))
-        self.bias = nn.Parameter(torch.zeros(self.hi - self.lo, **kw)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(local, **kw)) if bias else None
 
     @classmethod
     def from_linear(cls, linear: nn.Module, mesh: Mesh, axis: str = "tp", transposed: bool = False, **kwargs) -> "ColumnParallelLinear":
@@ -97,11 +111,18 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(in_f, out_f, linear.bias is not None, axis=axis, mesh=mesh, transposed=transposed,
                     device=w.device, dtype=w.dtype, **kwargs)
         with torch.no_grad():
-            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 1 if transposed else 0))
+            layer.weight.copy_(layer._local_blocks(w, 1 if transposed else 0))
             if linear.bias is not None:
-                layer.bias.copy_(_slice_rows(linear.bias, layer.lo, layer.hi, 0))
+                layer.bias.copy_(layer._local_blocks(linear.bias, 0))
         layer.weight.requires_grad_(w.requires_grad)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
+
+    def _local_blocks(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of each of the ``fused`` blocks of ``t`` along ``dim``, joined."""
+        block = t.shape[dim] // self.fused
+        return torch.cat([_slice_rows(t.narrow(dim, i * block, block), self.lo, self.hi, dim) for i in range(self.fused)], dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_shared:
@@ -201,6 +222,8 @@ class VocabParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "VocabParallelEmbedding":
+        """This rank's rows of an existing ``nn.Embedding`` (``padding_idx`` kept)."""
+        _check_embedding(emb)
         w = emb.weight
         layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
                     device=w.device, dtype=w.dtype, **kwargs)
@@ -212,7 +235,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.lo) | (ids >= self.hi)
         if self.hi > self.lo:
             local = (ids - self.lo).clamp(0, self.hi - self.lo - 1)
-            y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            pad = self.padding_idx - self.lo if self.padding_idx is not None and self.lo <= self.padding_idx < self.hi else None
+            y = F.embedding(local, self.weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
         else:  # an empty shard (vocabulary smaller than the axis): contributes zeros
             y = self.weight.new_zeros(ids.shape + (self.embedding_dim,)) + self.weight.sum() * 0
         if self.sequence_parallel:
@@ -240,6 +264,8 @@ class ParallelEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "ParallelEmbedding":
+        """This rank's columns of an existing ``nn.Embedding`` (``padding_idx`` kept)."""
+        _check_embedding(emb)
         w = emb.weight
         layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
                     device=w.device, dtype=w.dtype, **kwargs)
@@ -248,5 +274,5 @@ class ParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        y = F.embedding(ids, self.weight)
+        y = F.embedding(ids, self.weight, padding_idx=self.padding_idx)
         return gather_from_region(y, self.axis, -1, self.embedding_dim, mesh=self.mesh)

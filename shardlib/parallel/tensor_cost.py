@@ -55,7 +55,9 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
                     else:
                         out.append(TPCollective(layer.group, "backward", "all_reduce", a, layer.in_features))
             else:
-                if sp:
+                if sp and plan.sp_exit:
+                    pass  # the exit's all-gather (and its reduce-scatter backward) serve this layer
+                elif sp:
                     out += [TPCollective(layer.path, "forward", "all_gather", a, layer.in_features),
                             TPCollective(layer.path, "backward", "reduce_scatter", a, layer.in_features)]
                 else:
@@ -70,25 +72,18 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
             else:
                 out.append(TPCollective(layer.path, "forward", "all_reduce", a, layer.out_features))
         elif layer.kind == "vocab":
-            entry_here = sp and not plan_has_drop(plan)
-            if entry_here:
-                out += [TPCollective(layer.path, "forward", "reduce_scatter", a, layer.out_features),
-                        TPCollective(layer.path, "backward", "all_gather", a, layer.out_features)]
-            else:
-                out.append(TPCollective(layer.path, "forward", "all_reduce", a, layer.out_features))
+            out.append(TPCollective(layer.path, "forward", "all_reduce", a, layer.out_features))
         else:  # embed_dim
             block = -(-layer.out_features // n)
             out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
     if sp and plan.tp_layers:
         a = plan.tp_layers[0].axis
-        if plan_has_drop(plan):
-            hidden = next(layer.in_features for layer in plan.tp_layers if layer.kind == "column")
-            out.append(TPCollective("drop", "backward", "all_gather", a, hidden))
+        hidden = next(layer.in_features for layer in plan.tp_layers if layer.kind == "column")
+        out.append(TPCollective(plan.sp_entry, "backward", "all_gather", a, hidden))
+        if plan.sp_exit:
+            out += [TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden),
+                    TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden)]
         for p in plan.params:
             if p.name in plan.sp_grad_params:
                 out.append(TPCollective(p.name, "backward", "all_reduce", a, 0, p.numel))
     return out
-
-
-def plan_has_drop(plan) -> bool:
-    return plan.sp_entry == "drop"

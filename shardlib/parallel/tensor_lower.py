@@ -8,9 +8,9 @@ Lowering (after :mod:`tensor_rules` decided the roles):
 2. column layers that share their parent's input (q/k/v; gate/up; fc_in) take it from one
    ``pvary`` (or one sequence all-gather) applied in a forward pre-hook of the parent, so the
    backward does one all-reduce per group, as Megatron's fused QKV does;
-3. with ``sequence_parallel``: the input of the module named ``drop`` (GPT-2's embedding
-   dropout) is split along the sequence, or else the vocabulary-parallel embedding
-   reduce-scatters its output; norm weights get their gradient summed over the tensor axis.
+3. with ``sequence_parallel``: the input of ``plan.sp_entry`` (GPT-2's embedding dropout
+   ``drop``, or LLaMA's first decoder layer) is split along the sequence; norm weights and
+   row-layer biases get their gradient summed over the tensor axis.
 """
 
 from __future__ import annotations
@@ -54,7 +54,13 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
         if layer.kind == "column":
             new = ColumnParallelLinear.from_linear(
                 old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer,
-                sequence_parallel=sp, input_is_shared=bool(layer.group))
+                sequence_parallel=sp, fused=layer.fused,
+                # grouped: the parent applies the input op once; after an SP exit the all-gather's
+                # backward (a reduce-scatter) already sums the partial input gradients
+                input_is_shared=bool(layer.group) or bool(sp and layer.output_layer and plan.sp_exit))
+            block = layer.out_features // layer.fused
+            if layer.fused > 1 and getattr(parent, "split_size", None) == block:
+                parent.split_size = new.hi - new.lo  # GPT-2 splits c_attn's output by this width
             if layer.group:
                 groups[layer.group] = axis
         elif layer.kind == "row":
@@ -100,11 +106,10 @@ def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) 
             )
         return t
 
-    if plan.sp_entry == "drop":
-        drop = next(m for name, m in model.named_modules() if name.rpartition(".")[2] == "drop")
-        split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
-        return [drop.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True)]
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding):
-            module.sequence_parallel = True
-    return []
+    entry = model.get_submodule(plan.sp_entry)
+    split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
+    hooks = [entry.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True)]
+    if plan.sp_exit:
+        gather = lambda m, a, out: all_gather(out, axis, 1, mesh=mesh)  # noqa: E731
+        hooks.append(model.get_submodule(plan.sp_exit).register_forward_hook(gather))
+    return hooks

@@ -22,6 +22,7 @@ language-model head): its output is all-gathered, or kept vocabulary-parallel on
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from torch import nn
@@ -44,6 +45,8 @@ class TPLayer:
         transposed: the weight is stored ``[in, out]`` (Hugging Face ``Conv1D``).
         output_layer: a column layer with no row partner; its output is gathered.
         group: the parent module whose input is shared by this group of column layers.
+        fused: the output is ``fused`` equal blocks (GPT-2's ``c_attn`` holds q, k and v), each
+            split over the axis separately, so every rank holds whole heads of each.
     """
 
     path: str
@@ -54,6 +57,7 @@ class TPLayer:
     transposed: bool = False
     output_layer: bool = False
     group: str = ""
+    fused: int = 1
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -81,7 +85,8 @@ def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
 
 
 def analyze_tensor_parallel(
-    model: nn.Module, specs: dict[str, tuple[PartitionSpec, str]], mesh_shape: dict[str, int], data_axes: tuple[str, ...]
+    model: nn.Module, specs: dict[str, tuple[PartitionSpec, str]], mesh_shape: dict[str, int], data_axes: tuple[str, ...],
+    fused: dict[str, int] | None = None,
 ) -> tuple[dict[str, str], list[TPLayer]]:
     """Decide the tensor-parallel role of every parameter and module; check the structure.
 
@@ -90,6 +95,8 @@ def analyze_tensor_parallel(
         specs: ``resolve_specs`` output, ``{canonical name: (spec, source)}``.
         mesh_shape: ``{axis: size}``.
         data_axes: the data axes (specs along them mean ZeRO-3, handled elsewhere).
+        fused: ``{glob over module paths: blocks}`` for column layers whose output concatenates
+            several projections (``{"*.attn.c_attn": 3}`` for GPT-2).
 
     Returns:
         ``({param name: role}, [TPLayer])``; roles are ``"column"``, ``"row"``, ``"vocab"``,
@@ -154,6 +161,12 @@ def analyze_tensor_parallel(
                 "replicated weights whose gradients are summed over the axis. Fix: leave the norm weight replicated (P())"
             )
         if isinstance(m, nn.Embedding):
+            unsupported = [k for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(m, k, None)]
+            if unsupported:
+                raise ShardingError(
+                    f"{full['weight']} of the embedding {path} is split over {axis!r}, but the embedding uses {unsupported}, "
+                    "which the parallel embeddings do not implement. Fix: leave this embedding replicated"
+                )
             kind = "vocab" if dim == 0 else "embed_dim"
             layers.append(TPLayer(path, kind, axis, m.num_embeddings, m.embedding_dim))
         elif isinstance(m, nn.Linear) or _is_conv1d(m):
@@ -161,7 +174,13 @@ def analyze_tensor_parallel(
             out_dim = 1 if transposed else 0
             kind = "column" if dim == out_dim else "row"
             in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
-            layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed))
+            k = next((v for pat, v in (fused or {}).items() if fnmatch.fnmatchcase(path, pat)), 1)
+            if k > 1 and (kind != "column" or out_f % k or (out_f // k) % size):
+                raise ShardingError(
+                    f"fused layer {path} ({k} blocks, out_features {out_f}) must be column parallel with each block of "
+                    f"{out_f // k if out_f % k == 0 else out_f / k} features divisible by {axis!r} of size {size}"
+                )
+            layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed, fused=k))
         else:
             raise ShardingError(
                 f"{full['weight']} of {type(m).__name__} {path} is split over {axis!r} (spec {spec_of[full['weight']][0]}), "
@@ -200,8 +219,8 @@ def analyze_tensor_parallel(
             head_dim, heads, kv_heads = _heads(parent_mod)
             n = mesh_shape[rows[0].axis]
             for col in cols:
-                if head_dim and col.out_features % head_dim == 0:
-                    h = col.out_features // head_dim
+                if head_dim and (col.out_features // col.fused) % head_dim == 0:
+                    h = col.out_features // col.fused // head_dim
                     if h % n:
                         what = "key/value heads" if kv_heads and h == kv_heads and kv_heads != heads else "heads"
                         raise ShardingError(
@@ -210,6 +229,6 @@ def analyze_tensor_parallel(
                             f"tensor axis size dividing {h}, or replicate the attention projections"
                         )
         final += [TPLayer(g.path, g.kind, g.axis, g.in_features, g.out_features, g.transposed,
-                          output_layer=(g.kind == "column" and not rows), group=parent if rows else "")
+                          output_layer=(g.kind == "column" and not rows), group=parent if rows else "", fused=g.fused)
                   for g in group]
     return roles, final
