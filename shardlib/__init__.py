@@ -18,7 +18,15 @@ from .mesh import (
     pvary,
     reduce_scatter,
 )
+from .mesh.regions import gather_from_region, scatter_to_region
 from .optim import ZeroOptimizer, clip_grad_norm_
+from .parallel import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from .plan import ChunkPlan, ParamPlan, Plan, plan
 from .shard import ShardedModule, full_grads, full_state_dict, model_state_bytes, shard
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
@@ -54,4 +62,11 @@ __all__ = [
     "full_state_dict",
     "full_grads",
     "model_state_bytes",
+    "gather_from_region",
+    "scatter_to_region",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelEmbedding",
+    "vocab_parallel_cross_entropy",
 ]
