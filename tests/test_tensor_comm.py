@@ -61,3 +61,19 @@ def test_explain_lists_tensor_parallel_collectives():
     assert "tensor-parallel layers (sequence parallel)" in text
     assert "blocks.0.attn.o_proj" in text and "fwd reduce_scatter 16/token" in text
     assert "64 tokens per micro-batch" in text and "tp     reduce_scatter" in text
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_clipping_counts_each_element_once_on_dp_x_tp(stage):
+    """Global-norm clipping on {dp: 2, tp: 2}: tensor-parallel shards summed over tp, replicated
+    parameters counted once, data shards once; the norm and the clipped run equal one process."""
+    import functools
+
+    from shardlib.testing import assert_equivalent
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 37, (4, 9), generator=g)
+    report = assert_equivalent(functools.partial(gpt_for_tests, CFG), {"dp": 2, "tp": 2}, SPECS, (x[:, :-1], x[:, 1:]),
+                               steps=2, zero_stage=stage, max_grad_norm=0.05, chunk_size=500,
+                               optimizer_kwargs={"lr": 1e-3})
+    assert all(r["norm"] > 0.05 for r in report["records"])
