@@ -37,6 +37,8 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
     zero = smodel._zero
     norm_type = float(norm_type)
     tp_axes = tuple(sorted({layer.axis for layer in smodel.plan.tp_layers}))
+    pp_axes = (smodel.pp_axis,) if getattr(smodel, "pp_axis", None) else ()
+    duplicates = getattr(smodel, "norm_duplicates", [])
     parts = []  # (local statistic, axes to reduce it over)
     for sharded in (False, True):
         grads = zero.owned_grads(tp_sharded=sharded)
@@ -46,7 +48,10 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
             local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max().float()
         else:
             local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros(()))
-        axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ())
+            for prm in duplicates:  # counted on the stage that holds the first copy
+                if zero.param_chunk[id(prm)].plan.tp_sharded == sharded:
+                    local = local - zero.owned_grad_region(prm).float().abs().pow(norm_type).sum()
+        axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ()) + pp_axes
         parts.append((local.reshape(1).clone(), axes))
     op = "max" if math.isinf(norm_type) else "sum"
     for stat, axes in parts:

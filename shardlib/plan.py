@@ -30,7 +30,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")
 _OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
-            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused"}
+            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs"}
 
 
 @dataclass(frozen=True)
@@ -418,7 +418,10 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         )
     optimizer_states = int(optimizer_states)
 
-    resolved = resolve_specs(model, specs, options.get("logical_axis_rules"))
+    resolved = resolve_specs(model, specs, options.get("logical_axis_rules"), strict=options.get("strict_specs", True))
+    pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
+    if pp_axis is not None and pp_axis not in mesh_shape:
+        raise ShardingError(f"pp_axis {pp_axis!r} is not an axis of the mesh {mesh_shape}")
     names_of: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for name, prm in model.named_parameters(remove_duplicate=False):
@@ -469,7 +472,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         )
 
     for axis, size in mesh_shape.items():
-        if size > 1 and axis not in data_axes and axis not in used_axes:
+        if size > 1 and axis not in data_axes and axis not in used_axes and axis != pp_axis:
             raise ShardingError(
                 f"mesh axis {axis!r} (size {size}) of the mesh {mesh_shape} is used by nothing: it is not a data "
                 f"axis ({data_axes or 'none'}) and no spec names it, so its {size} ranks would repeat the same work. "

@@ -5,16 +5,18 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from .errors import ShardingError
 from .mesh.regions import _uneven_gather
 from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .plan import Plan, plan
 
-__all__ = ["ShardedModule", "shard", "full_state_dict", "full_grads", "model_state_bytes"]
+__all__ = ["ShardedModule", "PipelineModule", "shard", "full_state_dict", "full_grads", "model_state_bytes"]
 
 
 class ShardedModule(nn.Module):
@@ -93,6 +95,88 @@ class ShardedModule(nn.Module):
         return f"zero_stage={self.plan.zero_stage}, data_axes={self.plan.data_axes}, mesh={dict(self.plan.mesh_shape)}"
 
 
+_PIPELINE_OPTIONS = ("pp_axis", "schedule", "microbatches", "virtual_stages", "split_points")
+
+
+class PipelineModule(ShardedModule):
+    """This rank's pipeline stage(s), sharded, with the schedule that runs them.
+
+    Built by :func:`shard` when the mesh has a pipeline axis (``pp``) of size > 1. Train with
+    :meth:`forward_backward`; the optimizer is :class:`~shardlib.ZeroOptimizer` as usual.
+    """
+
+    def __init__(self, stage: nn.Module, plan: Plan, pipeline: dict, tied: list):
+        from .parallel.pipeline import PipelineRunner
+
+        super().__init__(stage, plan)
+        self.pp_axis = pipeline["pp_axis"]
+        params = dict(stage.named_parameters(remove_duplicate=False))  # names survive the lowering
+        mine = [(names[0], next((params[n] for n in names if n in params), None), numel, dtype)
+                for names, numel, dtype, _ in tied]
+        self.tied = [t[0][0] for t in tied]
+        rank = plan.mesh.index(pipeline["pp_axis"])
+        # a tied parameter's second copy is left out of the global gradient norm
+        self.norm_duplicates = [prm for (name, prm, _, _), (_, _, _, first) in zip(mine, tied) if prm is not None and rank != first]
+        self.runner = PipelineRunner(self, plan.mesh, self.pp_axis, pipeline["schedule"], pipeline["microbatches"],
+                                     pipeline["virtual_stages"], mine)
+
+    def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
+        """Run one step's forwards and backwards over ``microbatches`` microbatches.
+
+        Args:
+            x: the local batch ``(B_local, ...)`` (used by the first stage; every rank passes it).
+            criterion: ``criterion(output, *labels) -> scalar`` on the last stage (mean over a
+                microbatch); each microbatch's loss is divided by the number of microbatches, so
+                the gradients are those of the mean loss over the local batch.
+            labels: tensors split like ``x`` along dim 0.
+            return_outputs: also return each microbatch's output on the last stage.
+
+        Returns:
+            ``(losses, outputs)`` on the last stage (per-microbatch losses, unscaled), else
+            ``(None, None)``. Gradients are reduced over the data axes when it returns.
+
+        Raises:
+            ShardingError: a local batch not divisible by the microbatch count (on every rank,
+                before any communication).
+        """
+        return self.runner.run(x, criterion, tuple(labels), return_outputs)
+
+    @property
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's actions on this rank: ``(action, start s, end s)``."""
+        return self.runner.timeline
+
+
+def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> PipelineModule:
+    from .parallel.pipeline import partition
+    from .parallel.schedules import build_schedule
+    from .spec import resolve_specs
+
+    axis = options.pop("pp_axis", "pp")
+    pipeline = {
+        "pp_axis": axis,
+        "schedule": options.pop("schedule", "1f1b"),
+        "microbatches": options.pop("microbatches", mesh.size(axis)),
+        "virtual_stages": options.pop("virtual_stages", 1),
+    }
+    split_points = options.pop("split_points", None)
+    build_schedule(pipeline["schedule"], mesh.size(axis), pipeline["microbatches"], pipeline["virtual_stages"])  # checks
+    full = plan(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    stages = [partition(model, r, mesh.size(axis), pipeline["virtual_stages"], split_points) for r in range(mesh.size(axis))]
+    owners: dict[int, set[int]] = {}
+    for r, stage in enumerate(stages):
+        for prm in stage.parameters():
+            owners.setdefault(id(prm), set()).add(r)
+    tied = []
+    for pp in full.params:
+        prm = model.get_parameter(pp.name)
+        if len(owners.get(id(prm), ())) > 1 and pp.requires_grad:
+            tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), pp.dtype, min(owners[id(prm)])))
+    stage = stages[mesh.index(axis)]
+    stage_plan = plan(stage, mesh, specs, pp_axis=axis, strict_specs=False, **options)
+    return PipelineModule(stage, stage_plan, pipeline, tied)
+
+
 def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> ShardedModule:
     """Shard ``model`` over ``mesh``: ``plan(model, mesh, specs, **options).apply(model)``.
 
@@ -116,6 +200,12 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         >>> smodel(torch.ones(3, 4)).shape
         torch.Size([3, 2])
     """
+    axis = options.get("pp_axis", "pp")
+    if axis in mesh.shape and mesh.shape[axis] > 1:
+        return _shard_pipeline(model, mesh, specs, dict(options))
+    for key in _PIPELINE_OPTIONS[1:]:
+        if key in options:
+            raise ShardingError(f"option {key!r} needs a pipeline axis {axis!r} of size > 1 in the mesh {dict(mesh.shape)}")
     return plan(model, mesh, specs, **options).apply(model)
 
 
@@ -145,12 +235,28 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
         full[pp.name] = _unshard(smodel, pp, flat)
         for alias in pp.aliases:
             full[alias] = full[pp.name]
-    if rank0_only and smodel.mesh.rank != 0:
-        return {}
     out = {}
     for name, value in smodel.module.state_dict(keep_vars=True).items():
         out[name] = full[name] if name in full else value.detach().clone()
+    out = _merge_over_pipeline(smodel, out)
+    if rank0_only and smodel.mesh.rank != 0:
+        return {}
     return out
+
+
+def _merge_over_pipeline(smodel: ShardedModule, local: dict) -> dict:
+    """Every stage's tensors, in stage order (a pipeline's ranks each hold some names)."""
+    if not isinstance(smodel, PipelineModule):
+        return local
+    import torch.distributed as dist
+
+    parts: list = [None] * smodel.mesh.size(smodel.pp_axis)
+    dist.all_gather_object(parts, local, group=smodel.mesh.group(smodel.pp_axis))
+    merged: dict = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
 
 
 def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
@@ -162,7 +268,8 @@ def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
     smodel = _require_sharded(smodel, "full_grads")
     zero = smodel._zero
     flat = {c.index: zero.full_grad_chunk(c) for c in zero.chunks if c.trainable}
-    return {pp.name: _unshard(smodel, pp, flat) if pp.requires_grad else None for pp in smodel.plan.params}
+    out = {pp.name: _unshard(smodel, pp, flat) if pp.requires_grad else None for pp in smodel.plan.params}
+    return _merge_over_pipeline(smodel, out)
 
 
 def _unshard(smodel: ShardedModule, pp, flat: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -306,6 +306,7 @@ def resolve_specs(
     module: torch.nn.Module,
     specs: Any = None,
     logical_axis_rules: Any = None,
+    strict: bool = True,
 ) -> dict[str, tuple[PartitionSpec, str]]:
     """The spec of every unique parameter of ``module`` and where it came from.
 
@@ -316,6 +317,8 @@ def resolve_specs(
             dots).
         logical_axis_rules: optional table from logical axis names to mesh axes; when given,
             every spec (pattern or annotation) is translated with :func:`logical_to_mesh`.
+        strict: raise for a pattern that matches nothing (off for a pipeline stage, which holds
+            a part of the model checked whole before).
 
     Returns:
         ``{name: (spec, source)}`` keyed by the canonical (first) name of each unique parameter;
@@ -365,7 +368,7 @@ def resolve_specs(
         out[names[0]] = (spec, source)
 
     for i, (pattern, spec) in enumerate(rules):
-        if i not in used_patterns:
+        if strict and i not in used_patterns:
             hits = [n for ns in names_of.values() for n in ns if fnmatch.fnmatchcase(n, pattern)]
             if hits:
                 shadow = next(q for q, _ in rules[:i] if fnmatch.fnmatchcase(hits[0], q))

@@ -236,6 +236,29 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
+    def pipeline_layers(self) -> list:
+        """The forward pass as an ordered list of layers, for pipeline parallelism.
+
+        Returns ``[(name, {path: module}, fn)]``; ``fn(get, x)`` runs the layer, fetching each
+        module with ``get(path)`` (a pipeline stage holds the modules at their original paths, so
+        parameter names do not change, and may have swapped them for parallel versions). The
+        first layer takes token ids ``(B, T)``; the last returns logits ``(B, T, V)``.
+        """
+        def embed(get, idx):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            return get("drop")(get("wte")(idx) + get("wpe")(pos))  # (B, T, C)
+
+        def head(get, x):
+            return get("lm_head")(get("ln_f")(x))  # (B, T, V)
+
+        def block(i):
+            return lambda get, x: get(f"blocks.{i}")(x)
+
+        layers = [("embed", {"wte": self.wte, "wpe": self.wpe, "drop": self.drop}, embed)]
+        layers += [(f"blocks.{i}", {f"blocks.{i}": b}, block(i)) for i, b in enumerate(self.blocks)]
+        layers.append(("head", {"ln_f": self.ln_f, "lm_head": self.lm_head}, head))
+        return layers
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  generator: torch.Generator | None = None) -> torch.Tensor:

@@ -23,7 +23,8 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, target, mesh, axis, vocab, ignore_index, eps):
         n = mesh.size(axis)
         lo, hi = shard_range(vocab, n, mesh.index(axis))
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # accumulate half precision in fp32; fp32/fp64 stay as they are
         m = logits.max(dim=-1).values if logits.shape[-1] else logits.new_full(logits.shape[:-1], -float("inf"))
         raw_all_reduce(m, mesh, axis, op="max")
         shifted = logits - m.unsqueeze(-1)
@@ -88,7 +89,8 @@ def vocab_parallel_cross_entropy(
         mesh: default :func:`~shardlib.current_mesh`.
 
     Returns:
-        A scalar for ``"mean"``/``"sum"``; ``(...)`` per target for ``"none"``. Float32.
+        A scalar for ``"mean"``/``"sum"``; ``(...)`` per target for ``"none"``. Float32 for
+        half-precision logits, else the logits' dtype.
 
     Raises:
         ValueError: bad ``reduction`` or ``label_smoothing``; local width not matching the layout.
@@ -109,7 +111,7 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy: local logits have width {logits_local.shape[-1]} but rank "
             f"{mesh.index(axis)} of {axis!r} (size {n}) should hold vocabulary [{lo}, {hi}) of {vocab_size}"
         )
-    flat = logits_local.reshape(-1, logits_local.shape[-1])
+    flat = logits_local.reshape(target.numel(), logits_local.shape[-1])  # also for an empty vocabulary shard
     loss = _VocabParallelCE.apply(flat, target.reshape(-1), mesh, axis, vocab_size, ignore_index, float(label_smoothing))
     if reduction == "none":
         return loss.view(target.shape)

@@ -145,6 +145,13 @@ def analyze_tensor_parallel(
             if n == "weight":
                 continue
             a, _ = tp_axis(full[n], p)
+            column_weight = axis is not None and dim == (1 if _is_conv1d(m) else 0) and not isinstance(m, nn.Embedding)
+            if a is not None and n == "bias" and axis == a and not column_weight:
+                raise ShardingError(
+                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {path} is row parallel (mesh {mesh_shape}): "
+                    "a row layer adds its bias once, after the reduction, so the bias is replicated. Fix: leave the bias "
+                    "replicated (P())"
+                )
             if a is not None and not (n == "bias" and axis == a):
                 raise ShardingError(
                     f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {type(m).__name__} {path or '<root>'} "
@@ -212,7 +219,8 @@ def analyze_tensor_parallel(
                     if col is None or col.axis != rows[0].axis:
                         raise ShardingError(
                             f"in {parent or '<root>'}, {child_path} is not column parallel over {rows[0].axis!r} while "
-                            f"{', '.join(g.path for g in cols)} are, and {rows[0].path} is row parallel: projections that "
+                            f"{', '.join(g.path for g in cols if g.axis == rows[0].axis and g.path != child_path)} are, and "
+                            f"{rows[0].path} is row parallel (mesh {mesh_shape}): projections that "
                             "read the same input (q/k/v, gate/up) must be split the same way. Fix: give "
                             f"{child_path}.weight the same spec as {cols[0].path}.weight"
                         )

@@ -247,6 +247,33 @@ class ZeroRuntime:
                 self._free(chunk)
             self._bwd_next = len(self.chunks) - 1
 
+    def sync_grads(self) -> None:
+        """Reduce the gradients accumulated under ``no_sync()`` now (the pipeline calls this
+        once per step, after its last backward)."""
+        self.sync = True
+        self._launch_ready(force=True)
+        for chunk in self.chunks:
+            self._finish_reduce(chunk)
+        self._next_reduce = 0
+        self.unsynced = False
+
+    def local_grad_view(self, prm: nn.Parameter) -> torch.Tensor:
+        """The unreduced, accumulated local gradient of ``prm`` (flat view into its chunk)."""
+        chunk = self.param_chunk[id(prm)]
+        off = next(o for p, o in chunk.params if p is prm)
+        if chunk.grad_full is None:
+            chunk.grad_full = torch.zeros_like(chunk.full)
+        return chunk.grad_full[off : off + prm.numel()]
+
+    def owned_grad_region(self, prm: nn.Parameter) -> torch.Tensor:
+        """The part of this rank's gradient shard that belongs to ``prm`` (may be empty)."""
+        chunk = self.param_chunk[id(prm)]
+        off = next(o for p, o in chunk.params if p is prm)
+        lo = chunk.slot.start if self.stage >= 1 else 0
+        hi = lo + chunk.grad_shard.numel()
+        a, b = max(lo, off), min(hi, off + prm.numel())
+        return chunk.grad_shard[a - lo : max(a, b) - lo]
+
     def zero_grad(self) -> None:
         for chunk in self.chunks:
             if not chunk.trainable:

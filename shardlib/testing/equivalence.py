@@ -60,13 +60,13 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
     records = []
     for _ in range(steps):
         mesh.comm.reset()
-        total = torch.zeros(())
+        total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
             with ctx:
                 loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
                 loss.backward()
-            total += loss.detach()
+            total += loss.detach().double()
         comm_bwd = mesh.comm.exact_bytes()
         mesh.comm.enabled = False
         global_loss = total.reshape(1).clone()
@@ -214,10 +214,10 @@ def assert_equivalent(
     mine = results[0]["records"]
     for step, (got, ref) in enumerate(zip(mine, reference)):
         report["losses"].append((got["loss"], ref["loss"]))
-        rel = _close("loss", torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol, "the", step)
+        rel = _close("loss", torch.tensor(got["loss"], dtype=torch.float64), torch.tensor(ref["loss"], dtype=torch.float64), rtol, "the", step)
         report["max_rel"]["loss"] = max(report["max_rel"]["loss"], rel)
         if ref["norm"] is not None:
-            rel = _close("norm", torch.tensor(got["norm"]), torch.tensor(ref["norm"]), rtol, "the gradient", step)
+            rel = _close("norm", torch.tensor(got["norm"], dtype=torch.float64), torch.tensor(ref["norm"], dtype=torch.float64), rtol, "the gradient", step)
             report["max_rel"]["norm"] = max(report["max_rel"]["norm"], rel)
         grad_floor = FLOOR * max((_scale(g) for g in ref["grads"].values()), default=0.0)
         for name, g in got["grads"].items():

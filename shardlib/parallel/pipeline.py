@@ -1,0 +1,251 @@
+"""Pipeline parallelism: stages from the ``pp`` axis, run by a schedule of actions.
+
+A model exposes its forward as ordered layers (``model.pipeline_layers()``, or the children of
+an ``nn.Sequential``); :func:`partition` cuts them into ``p * v`` contiguous stages balanced by
+parameter count (haiscale's ``partition``); stage ``s`` lives on rank ``s % p`` of the ``pp``
+axis (Megatron's interleaving). A :class:`Stage` keeps every module at its original path, so
+parameter names, specs and state dicts are those of the unpartitioned model, and tensor and
+ZeRO parallelism apply to a stage as to any module.
+
+``forward_backward`` splits the local batch into microbatches and executes the schedule's
+actions (:mod:`shardlib.parallel.schedules`): activations and their gradients move by
+point-to-point sends with tags (stage, microbatch, direction). The loss of each microbatch is
+divided by the number of microbatches, so the accumulated gradients are those of the mean loss
+over the whole local batch, as without a pipeline. Gradients are reduced over the data axes once
+per step, after the last backward; parameters shared by stages on different ranks (a tied
+embedding and LM head) have their gradients summed over ``pp`` first, so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ShardingError
+from .schedules import Action, build_schedule
+
+__all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner"]
+
+
+def pipeline_layers(model: nn.Module) -> list:
+    """``[(name, {path: module}, fn(get, x))]`` for ``model``: its own ``pipeline_layers()``, or
+    the children of an ``nn.Sequential``.
+
+    Raises:
+        ShardingError: the model offers neither.
+    """
+    if hasattr(model, "pipeline_layers"):
+        return model.pipeline_layers()
+    if isinstance(model, nn.Sequential):
+        return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model.named_children()]
+    raise ShardingError(
+        f"pipeline parallelism needs the forward pass as ordered layers: {type(model).__name__} is not an nn.Sequential "
+        "and has no pipeline_layers() method (see shardlib.models.GPT.pipeline_layers)"
+    )
+
+
+class Stage(nn.Module):
+    """A contiguous run of layers, with every module registered at its original dotted path.
+
+    ``forward(chunk, x)`` runs model chunk ``chunk`` (one of the ``v`` stages this rank holds).
+    """
+
+    def __init__(self, chunks: list[list]):
+        super().__init__()
+        self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
+        for layers in chunks:
+            for _, modules, _ in layers:
+                for path, module in modules.items():
+                    self._put(path, module)
+
+    def _put(self, path: str, module: nn.Module) -> None:
+        *parents, leaf = path.split(".")
+        node: nn.Module = self
+        for part in parents:
+            if not hasattr(node, part):
+                node.add_module(part, nn.ModuleDict())
+            node = getattr(node, part)
+        node.add_module(leaf, module)
+
+    def get(self, path: str) -> nn.Module:
+        return self.get_submodule(path)
+
+    def forward(self, chunk: int, x: Any) -> Any:
+        for _, fn in self._chunks[chunk]:
+            x = fn(self.get, x)
+        return x
+
+
+def partition(model: nn.Module, rank: int, world_size: int, num_model_chunks: int = 1,
+              split_points: list[str] | None = None) -> Stage:
+    """This rank's stage(s) of ``model``: chunks ``rank, rank + p, ...`` of ``p * v`` stages.
+
+    Args:
+        model: a model with ``pipeline_layers()`` or an ``nn.Sequential``.
+        rank, world_size: this rank's index on the pipeline axis, and its size ``p``.
+        num_model_chunks: ``v``, stages per rank (interleaved schedules).
+        split_points: names of the layers that start stages 1, 2, ... (``p * v - 1`` names);
+            default: balanced by parameter count (the first and last stage include the
+            embedding and the head).
+
+    Raises:
+        ShardingError: fewer layers than stages, or bad split points.
+    """
+    layers = pipeline_layers(model)
+    n_stages = world_size * num_model_chunks
+    if len(layers) < n_stages:
+        raise ShardingError(
+            f"{type(model).__name__} has {len(layers)} pipeline layers, fewer than the {n_stages} stages of "
+            f"pp={world_size} x {num_model_chunks} chunks. Fix: a smaller pp axis, or fewer virtual stages"
+        )
+    if split_points is not None:
+        names = [name for name, _, _ in layers]
+        if len(split_points) != n_stages - 1 or any(s not in names for s in split_points):
+            raise ShardingError(f"split_points must name {n_stages - 1} of the layers {names}, got {split_points}")
+        starts = [0] + [names.index(s) for s in split_points]
+        if starts != sorted(set(starts)):
+            raise ShardingError(f"split_points {split_points} are not in layer order")
+    else:
+        sizes = [sum(p.numel() for m in mods.values() for p in m.parameters()) for _, mods, _ in layers]
+        starts = _balanced_starts(sizes, n_stages)
+    bounds = starts + [len(layers)]
+    chunks = [layers[bounds[s] : bounds[s + 1]] for s in range(rank, n_stages, world_size)]
+    return Stage(chunks)
+
+
+def _balanced_starts(sizes: list[int], n: int) -> list[int]:
+    """Start indices of ``n`` contiguous non-empty groups with near-equal sums (greedy on the
+    cumulative sum)."""
+    total = sum(sizes) or 1
+    cum = np.cumsum([0] + sizes)
+    starts = [0]
+    for k in range(1, n):
+        target = total * k / n
+        i = int(np.argmin(np.abs(cum[1:-1] - target))) + 1 if len(sizes) > 1 else 1
+        i = max(i, starts[-1] + 1)
+        i = min(i, len(sizes) - (n - k))
+        starts.append(i)
+    return starts
+
+
+class PipelineRunner:
+    """Executes a schedule on this rank: microbatches, point-to-point transfers, timeline.
+
+    Args:
+        smodel: the sharded :class:`Stage` of this rank (a ShardedModule).
+        mesh, axis: the mesh and its pipeline axis.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        microbatches: microbatches per step ``m``.
+        virtual_stages: ``v``.
+    """
+
+    def __init__(self, smodel, mesh, axis: str, schedule: str, microbatches: int, virtual_stages: int, tied: list):
+        self.smodel, self.mesh, self.axis = smodel, mesh, axis
+        self.p, self.rank = mesh.size(axis), mesh.index(axis)
+        self.m, self.v = microbatches, virtual_stages
+        self.actions = build_schedule(schedule, self.p, microbatches, virtual_stages)[self.rank]
+        self.n_stages = self.p * self.v
+        self.ranks = mesh.axis_ranks(axis)
+        self.group = mesh.group(axis)
+        self.tied = tied  # [(name, param or None, numel, dtype)] in a fixed order on every rank
+        self.timeline: list[tuple[str, float, float]] = []
+
+    # -- point to point ----------------------------------------------------------------------
+    def _tag(self, stage: int, mb: int, grad: bool) -> int:
+        return ((stage * self.m + mb) * 2 + int(grad)) * 2
+
+    def _send(self, t: torch.Tensor, stage: int, mb: int, grad: bool, pending: list) -> None:
+        dst = self.ranks[(stage + (-1 if grad else 1)) % self.p]
+        t = t.detach().contiguous()
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0] = t.dim()
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[7] = _DTYPES.index(t.dtype)
+        tag = self._tag(stage, mb, grad)
+        self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
+        pending.append((dist.isend(header, dst, group=self.group, tag=tag), header))
+        pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), t))
+
+    def _recv(self, stage: int, mb: int, grad: bool) -> torch.Tensor:
+        src = self.ranks[(stage + (1 if grad else -1)) % self.p]
+        sender_stage = stage + (1 if grad else -1)
+        tag = self._tag(sender_stage, mb, grad)
+        header = torch.empty(8, dtype=torch.int64)
+        dist.irecv(header, src, group=self.group, tag=tag).wait(self.mesh.timeout)
+        ndim = int(header[0])
+        buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])])
+        dist.irecv(buf, src, group=self.group, tag=tag + 1).wait(self.mesh.timeout)
+        return buf
+
+    # -- one step ------------------------------------------------------------------------------
+    def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool):
+        m = self.m
+        if x.shape[0] % m or any(y.shape[0] != x.shape[0] for y in labels):
+            raise ShardingError(
+                f"forward_backward: the local batch of {x.shape[0]} rows (labels {[tuple(y.shape) for y in labels]}) "
+                f"does not split into {m} equal microbatches. Fix: a local batch divisible by {m}"
+            )
+        xs = x.chunk(m)
+        ys = [y.chunk(m) for y in labels]
+        last = self.n_stages - 1
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], Any] = {}
+        losses: list = [None] * m
+        outs: list = [None] * m
+        pending: list = []
+        self.timeline = []
+        t0 = time.perf_counter()
+        for a in self.actions:
+            start = time.perf_counter() - t0
+            chunk = a.stage // self.p
+            if a.kind == "F":
+                inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_()
+                with self.smodel.no_sync():
+                    out = self.smodel(chunk, inp)
+                if a.stage == last:
+                    if criterion is None:
+                        raise ShardingError("forward_backward on the last stage needs criterion=")
+                    loss = criterion(out, *[y[a.microbatch] for y in ys])
+                    losses[a.microbatch] = loss.detach()
+                    if return_outputs:
+                        outs[a.microbatch] = out.detach()
+                    outputs[(a.stage, a.microbatch)] = loss / m
+                else:
+                    outputs[(a.stage, a.microbatch)] = out
+                    self._send(out, a.stage, a.microbatch, False, pending)
+                inputs[(a.stage, a.microbatch)] = inp
+            else:
+                out = outputs.pop((a.stage, a.microbatch))
+                inp = inputs.pop((a.stage, a.microbatch))
+                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True)
+                with self.smodel.no_sync():
+                    torch.autograd.backward(out, grad)
+                if a.stage > 0:
+                    self._send(inp.grad, a.stage, a.microbatch, True, pending)
+            self.timeline.append((str(a), start, time.perf_counter() - t0))
+        for work, _ in pending:
+            work.wait(self.mesh.timeout)
+        self._sum_tied_grads()
+        self.smodel._zero.sync_grads()
+        if self.rank == self.p - 1:
+            return losses, (outs if return_outputs else None)
+        return None, None
+
+    def _sum_tied_grads(self) -> None:
+        zero = self.smodel._zero
+        for name, prm, numel, dtype in self.tied:
+            buf = zero.local_grad_view(prm) if prm is not None else None
+            flat = buf.clone() if buf is not None else torch.zeros(numel, dtype=dtype)
+            from ..mesh.collectives import raw_all_reduce
+
+            raw_all_reduce(flat, self.mesh, self.axis)
+            if buf is not None:
+                buf.copy_(flat)
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
