@@ -1,0 +1,128 @@
+"""Pipeline parallelism: every schedule equals one process (losses, gradients, parameters)."""
+
+import pytest
+import torch
+
+import shardlib
+from shardlib.errors import ShardingError, WorkerError
+from shardlib.models import GPT, GPTConfig
+from shardlib.testing import run_on
+
+pytestmark = pytest.mark.multiprocess
+
+
+def ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _config(layers):
+    return GPTConfig(vocab_size=37, block_size=8, n_layer=layers, n_head=2, n_embd=16, bias=False)
+
+
+def _batches(rows, steps=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 37, (rows, 9), generator=g) for _ in range(steps)]
+
+
+def _pipeline_worker(shape, layers, options, rows, clip):
+    mesh = shardlib.init_mesh(shape)
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(_config(layers)), mesh, chunk_size=400, **options)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3, max_grad_norm=clip)
+    out = {"losses": [], "norms": []}
+    for step, x in enumerate(_batches(rows)):
+        xl = shardlib.distribute(x, mesh, smodel.batch_spec)
+        losses, _ = smodel.forward_backward(xl[:, :-1], criterion=ce, labels=(xl[:, 1:],))
+        local = torch.stack(losses).mean() if losses is not None else torch.zeros(())
+        out["losses"].append(local)
+        if step == 0:
+            out["grads"] = shardlib.full_grads(smodel)
+        opt.step()
+        out["norms"].append(None if opt.last_grad_norm is None else opt.last_grad_norm.item())
+        opt.zero_grad()
+    out["params"] = shardlib.full_state_dict(smodel)
+    out["last_stage"] = losses is not None
+    out["timeline"] = smodel.timeline
+    return out
+
+
+def _reference(layers, rows, clip):
+    torch.manual_seed(0)
+    model = GPT(_config(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref = {"losses": [], "norms": []}
+    for step, x in enumerate(_batches(rows)):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        if step == 0:
+            ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ref["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() if clip else None)
+        opt.step()
+        opt.zero_grad()
+        ref["losses"].append(loss.item())
+    ref["params"] = model.state_dict()
+    return ref
+
+
+def _check(shape, layers, options, rows=8, clip=None):
+    world = 1
+    for size in shape.values():
+        world *= size
+    results = run_on(world, _pipeline_worker, shape, layers, options, rows, clip)
+    ref = _reference(layers, rows, clip)
+    dp = shape.get("dp", 1)
+    last = [r for r in results if r["last_stage"]]
+    assert len(last) == dp  # one last stage per data-parallel replica
+    for step, expected in enumerate(ref["losses"]):  # the mean over data-parallel replicas
+        got = sum(r["losses"][step].item() for r in last) / dp
+        assert got == pytest.approx(expected, rel=1e-5), (step, got, expected)
+    for r in results:
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item())
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=1e-5, atol=1e-5 * p.abs().max().item())
+        if clip:
+            assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+    if "tie" not in options:  # tied copies on the first and last stage stay identical
+        torch.testing.assert_close(results[0]["params"]["wte.weight"], results[0]["params"]["lm_head.weight"])
+    return results
+
+
+CASES = [
+    ({"pp": 2}, 4, {"schedule": "gpipe", "microbatches": 1}),
+    ({"pp": 2}, 4, {"schedule": "gpipe", "microbatches": 4}),
+    ({"pp": 2}, 4, {"schedule": "1f1b", "microbatches": 3}),  # uneven: 8 rows do not split into 3
+    ({"pp": 2}, 4, {"schedule": "1f1b", "microbatches": 8}),
+    ({"pp": 2}, 4, {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2}),
+    ({"pp": 4}, 4, {"schedule": "1f1b", "microbatches": 2}),  # fewer microbatches than stages
+    ({"pp": 4}, 4, {"schedule": "gpipe", "microbatches": 8}),
+    ({"pp": 4}, 6, {"schedule": "interleaved_1f1b", "microbatches": 4, "virtual_stages": 2}),
+]
+
+
+@pytest.mark.parametrize("shape,layers,options", CASES)
+def test_pipeline_equals_single_process(shape, layers, options):
+    if options["microbatches"] == 3:
+        with pytest.raises(WorkerError) as err:
+            _check(shape, layers, options)
+        assert set(err.value.errors) == {0, 1}  # raised on every rank, before any transfer
+        assert all(t == "ShardingError" and "equal microbatches" in m for t, m in err.value.errors.values())
+        _check(shape, layers, options, rows=6)
+        return
+    results = _check(shape, layers, options)
+    actions = [a for a, _, _ in results[0]["timeline"]]
+    assert len(actions) == 2 * options["microbatches"] * options.get("virtual_stages", 1)
+
+
+def test_pipeline_with_data_parallel_zero3_and_clipping():
+    """pp2 x dp2: ZeRO-3 on dp inside each stage, the tied embedding summed over pp, the global
+    norm counting every element once across pp and dp."""
+    _check({"pp": 2, "dp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}, clip=0.05)
+
+
+def test_pipeline_option_errors():
+    from shardlib.mesh import AbstractMesh  # noqa: F401
+
+    mesh = shardlib.init_mesh({"dp": 1})
+    with pytest.raises(ShardingError, match="needs a pipeline axis"):
+        shardlib.shard(GPT(_config(2)), mesh, microbatches=4)
