@@ -173,7 +173,11 @@ def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> P
         if len(owners.get(id(prm), ())) > 1 and pp.requires_grad:
             tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), pp.dtype, min(owners[id(prm)])))
     stage = stages[mesh.index(axis)]
-    stage_plan = plan(stage, mesh, specs, pp_axis=axis, strict_specs=False, **options)
+    # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
+    # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
+    exact = {name: pp.spec for pp in full.params for name in (pp.name,) + pp.aliases}
+    options.pop("logical_axis_rules", None)
+    stage_plan = plan(stage, mesh, exact, pp_axis=axis, strict_specs=False, **options)
     return PipelineModule(stage, stage_plan, pipeline, tied)
 
 

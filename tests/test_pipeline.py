@@ -27,7 +27,9 @@ def _batches(rows, steps=3):
 def _pipeline_worker(shape, layers, options, rows, clip):
     mesh = shardlib.init_mesh(shape)
     torch.manual_seed(0)
-    smodel = shardlib.shard(GPT(_config(layers)), mesh, chunk_size=400, **options)
+    options = dict(options)
+    specs = options.pop("specs", None)
+    smodel = shardlib.shard(GPT(_config(layers)), mesh, specs, chunk_size=400, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3, max_grad_norm=clip)
     out = {"losses": [], "norms": []}
     for step, x in enumerate(_batches(rows)):
@@ -70,11 +72,10 @@ def _check(shape, layers, options, rows=8, clip=None):
         world *= size
     results = run_on(world, _pipeline_worker, shape, layers, options, rows, clip)
     ref = _reference(layers, rows, clip)
-    dp = shape.get("dp", 1)
     last = [r for r in results if r["last_stage"]]
-    assert len(last) == dp  # one last stage per data-parallel replica
+    assert len(last) == world // shape["pp"]  # one last stage per data/tensor coordinate
     for step, expected in enumerate(ref["losses"]):  # the mean over data-parallel replicas
-        got = sum(r["losses"][step].item() for r in last) / dp
+        got = sum(r["losses"][step].item() for r in last) / len(last)  # tensor replicas agree
         assert got == pytest.approx(expected, rel=1e-5), (step, got, expected)
     for r in results:
         for name, g in ref["grads"].items():
@@ -118,6 +119,15 @@ def test_pipeline_with_data_parallel_zero3_and_clipping():
     """pp2 x dp2: ZeRO-3 on dp inside each stage, the tied embedding summed over pp, the global
     norm counting every element once across pp and dp."""
     _check({"pp": 2, "dp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}, clip=0.05)
+
+
+def test_pipeline_x_data_x_tensor_parallel_on_8_ranks():
+    """pp2 x dp2 x tp2: Megatron layers (and the vocabulary-parallel tied embedding) inside each
+    stage, ZeRO-1 on dp, tied-gradient sums over pp, clipping over all three axes."""
+    from shardlib.models import gpt_preset
+
+    _check({"pp": 2, "dp": 2, "tp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1,
+                                           "specs": gpt_preset().specs}, clip=0.05)
 
 
 def test_pipeline_option_errors():

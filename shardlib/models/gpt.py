@@ -288,7 +288,8 @@ def tp_specs(axis: str = "tp") -> dict[str, PartitionSpec]:
     q/k/v and ``fc_in`` are column parallel (output features, i.e. whole heads, split over
     ``axis``); ``o_proj`` and ``fc_out`` are row parallel (input features split), so each block
     needs one all-reduce after attention and one after the MLP. Embeddings, norms and the
-    row-parallel biases stay replicated. ``n_head`` must be divisible by the axis size.
+    row-parallel biases stay replicated; a column layer's bias follows its weight (no pattern needed,
+    so the specs also fit a model built with ``bias=False``). ``n_head`` must be divisible by the axis size.
 
     Args:
         axis: the mesh axis to split over.
@@ -298,9 +299,7 @@ def tp_specs(axis: str = "tp") -> dict[str, PartitionSpec]:
     """
     return {
         "blocks.*.attn.[qkv]_proj.weight": P(axis, None),
-        "blocks.*.attn.[qkv]_proj.bias": P(axis),
         "blocks.*.attn.o_proj.weight": P(None, axis),
         "blocks.*.mlp.fc_in.weight": P(axis, None),
-        "blocks.*.mlp.fc_in.bias": P(axis),
         "blocks.*.mlp.fc_out.weight": P(None, axis),
     }
