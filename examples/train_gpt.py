@@ -37,6 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", help="a text file or a folder of *.txt/*.py files (default: Python stdlib source)")
     p.add_argument("--val-files", default="", help="comma-separated held-out file names in --data")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"],
+                   help="pipeline schedule when the mesh has a pp axis")
+    p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step")
+    p.add_argument("--timeline", default="runs/timeline.svg", help="pipeline timeline picture of the last step")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism on the tp axis (norms/dropout on sequence shards)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
@@ -173,7 +177,7 @@ def evaluate(smodel, corpus, args, device) -> float:
     total = 0.0
     for _ in range(args.eval_batches):
         x, y = corpus.get_batch("val", args.batch_size, args.block_size, g)
-        _, loss = smodel(local(x, smodel, device), local(y, smodel, device))
+        loss = forward_loss(smodel, local(x, smodel, device), local(y, smodel, device), backward=False)
         total += global_mean(loss, smodel)
     smodel.train()
     return total / args.eval_batches
@@ -182,6 +186,25 @@ def evaluate(smodel, corpus, args, device) -> float:
 def local(batch, smodel, device):
     """This rank's rows of a global batch ``(B, T)``: local ``(B // |data axes|, T)``."""
     return shardlib.distribute(batch, smodel.mesh, smodel.batch_spec).to(device)
+
+
+def lm_criterion(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy of logits ``(B, T, 256)`` against ``y`` ``(B, T)``."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def forward_loss(smodel, x, y, backward: bool) -> torch.Tensor:
+    """This rank's mean loss on its batch (backward done if asked); a pipeline runs its schedule
+    of microbatches and shares the last stage's loss with every stage."""
+    if isinstance(smodel, shardlib.PipelineModule):
+        run = smodel.forward_backward if backward else smodel.evaluate
+        losses, _ = run(x, criterion=lm_criterion, labels=(y,))
+        loss = torch.stack(losses).mean() if losses is not None else torch.zeros(())
+        return shardlib.all_reduce(loss, smodel.pp_axis)  # zero on every stage but the last
+    _, loss = smodel(x, y)
+    if backward:
+        loss.backward()
+    return loss
 
 
 def global_mean(loss: torch.Tensor, smodel) -> float:
@@ -203,14 +226,18 @@ def main(argv=None) -> int:
     if is_main:
         print(corpus)
         print(f"model: {model.num_params():,} parameters, mesh {mesh.shape}, ZeRO stage {args.zero_stage}")
-    plan = shardlib.plan(model, mesh, specs, zero_stage=args.zero_stage,  # checked on every rank
-                         sequence_parallel=args.sequence_parallel, dropout_seed=args.seed)
+    options = dict(zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel, dropout_seed=args.seed)
+    pipelined = mesh.shape.get("pp", 1) > 1
+    plan = shardlib.plan(model, mesh, specs, **options)  # checked on every rank
     if args.batch_size % plan.data_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data axes "
                          f"{plan.data_axes} ({plan.data_size} ranks)")
     if is_main:  # tokens per micro-batch on one rank, for the tensor-parallel activation traffic
         print(plan.explain(tokens=args.batch_size // plan.data_size * args.block_size))
-    smodel = plan.apply(model)  # == shardlib.shard(model, mesh, specs, zero_stage=...)
+    if pipelined:  # stages over pp, each sharded over the other axes
+        smodel = shardlib.shard(model, mesh, specs, schedule=args.schedule, microbatches=args.microbatches, **options)
+    else:
+        smodel = plan.apply(model)  # == shardlib.shard(model, mesh, specs, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=args.grad_clip or None,
                                  **optimizer_kwargs(args))
 
@@ -222,8 +249,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         set_lr(opt, learning_rate(step, args))
         x, y = next(batches)  # the global batch, identical on every rank
-        _, loss = smodel(local(x, smodel, device), local(y, smodel, device))
-        loss.backward()
+        loss = forward_loss(smodel, local(x, smodel, device), local(y, smodel, device), backward=True)
         opt.step()
         opt.zero_grad()
         train_loss = global_mean(loss, smodel)
@@ -238,6 +264,16 @@ def main(argv=None) -> int:
                             val_loss=val_loss, tokens_per_s=tok_s))
     bar.close()
 
+    if pipelined:  # every stage's actions of the last step, drawn on rank 0
+        from shardlib.parallel.pipeline import timeline_svg
+
+        timelines = [None] * mesh.size("pp")
+        torch.distributed.all_gather_object(timelines, smodel.timeline, group=mesh.group("pp"))
+        if is_main and args.timeline:
+            os.makedirs(os.path.dirname(args.timeline) or ".", exist_ok=True)
+            with open(args.timeline, "w") as f:
+                f.write(timeline_svg(timelines))
+            print(f"pipeline timeline of the last step: {args.timeline}")
     state = shardlib.full_state_dict(smodel)  # full tensors under the original names, every rank
     if not is_main:
         return 0

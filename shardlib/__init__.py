@@ -28,7 +28,7 @@ from .parallel import (
     vocab_parallel_cross_entropy,
 )
 from .plan import ChunkPlan, ParamPlan, Plan, plan
-from .shard import ShardedModule, full_grads, full_state_dict, model_state_bytes, shard
+from .shard import PipelineModule, ShardedModule, full_grads, full_state_dict, model_state_bytes, shard
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "ChunkPlan",
     "shard",
     "ShardedModule",
+    "PipelineModule",
     "ZeroOptimizer",
     "clip_grad_norm_",
     "full_state_dict",

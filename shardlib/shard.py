@@ -141,6 +141,12 @@ class PipelineModule(ShardedModule):
         """
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
 
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
+        """Forwards only (no gradients, no optimizer state touched): ``(losses, outputs)`` on the
+        last stage as :meth:`forward_backward`, ``(None, None)`` elsewhere."""
+        return self.runner.run(x, criterion, tuple(labels), return_outputs, backward=False)
+
     @property
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's actions on this rank: ``(action, start s, end s)``."""

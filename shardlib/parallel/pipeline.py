@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import ShardingError
 from .schedules import Action, build_schedule
 
-__all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner"]
+__all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
 
 
 def pipeline_layers(model: nn.Module) -> list:
@@ -183,7 +183,7 @@ class PipelineRunner:
         return buf
 
     # -- one step ------------------------------------------------------------------------------
-    def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool):
+    def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool = True):
         m = self.m
         if x.shape[0] % m or any(y.shape[0] != x.shape[0] for y in labels):
             raise ShardingError(
@@ -200,11 +200,12 @@ class PipelineRunner:
         pending: list = []
         self.timeline = []
         t0 = time.perf_counter()
-        for a in self.actions:
+        actions = self.actions if backward else [a for a in self.actions if a.kind == "F"]
+        for a in actions:
             start = time.perf_counter() - t0
             chunk = a.stage // self.p
             if a.kind == "F":
-                inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_()
+                inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
                 with self.smodel.no_sync():
                     out = self.smodel(chunk, inp)
                 if a.stage == last:
@@ -216,9 +217,13 @@ class PipelineRunner:
                         outs[a.microbatch] = out.detach()
                     outputs[(a.stage, a.microbatch)] = loss / m
                 else:
-                    outputs[(a.stage, a.microbatch)] = out
                     self._send(out, a.stage, a.microbatch, False, pending)
-                inputs[(a.stage, a.microbatch)] = inp
+                    if backward:
+                        outputs[(a.stage, a.microbatch)] = out
+                if backward:
+                    inputs[(a.stage, a.microbatch)] = inp
+                else:
+                    outputs.pop((a.stage, a.microbatch), None)
             else:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
@@ -230,8 +235,9 @@ class PipelineRunner:
             self.timeline.append((str(a), start, time.perf_counter() - t0))
         for work, _ in pending:
             work.wait(self.mesh.timeout)
-        self._sum_tied_grads()
-        self.smodel._zero.sync_grads()
+        if backward:
+            self._sum_tied_grads()
+            self.smodel._zero.sync_grads()
         if self.rank == self.p - 1:
             return losses, (outs if return_outputs else None)
         return None, None
@@ -249,3 +255,33 @@ class PipelineRunner:
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
+
+
+def measured_bubble(timelines: list[list[tuple[str, float, float]]]) -> list[float]:
+    """Idle fraction per rank: 1 - busy time / (last end - first start over all ranks)."""
+    start = min(t[1] for tl in timelines for t in tl)
+    end = max(t[2] for tl in timelines for t in tl)
+    return [1 - sum(e - s for _, s, e in tl) / (end - start) for tl in timelines]
+
+
+def timeline_svg(timelines: list[list[tuple[str, float, float]]], width: int = 900) -> str:
+    """An SVG picture of per-rank timelines ``[(action, start s, end s)]``: one row per rank,
+    forwards blue, backwards orange, labelled like ``1F0``."""
+    start = min(t[1] for tl in timelines for t in tl)
+    end = max(t[2] for tl in timelines for t in tl)
+    scale = (width - 80) / max(end - start, 1e-9)
+    row = 28
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{row * len(timelines) + 30}" '
+             'font-family="monospace" font-size="10">']
+    for r, tl in enumerate(timelines):
+        y = 10 + r * row
+        parts.append(f'<text x="4" y="{y + 16}">rank {r}</text>')
+        for name, s, e in tl:
+            x, w = 70 + (s - start) * scale, max((e - s) * scale, 1)
+            color = "#4e79a7" if "F" in name else "#f28e2b"
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" stroke="white"/>')
+            if w > 18:
+                parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white">{name}</text>')
+    parts.append(f'<text x="70" y="{row * len(timelines) + 24}">{(end - start) * 1e3:.1f} ms; bubble per rank '
+                 + ", ".join(f"{b:.2f}" for b in measured_bubble(timelines)) + "</text></svg>")
+    return "\n".join(parts)
