@@ -119,6 +119,9 @@ class PipelineModule(ShardedModule):
         self.norm_duplicates = [prm for (name, prm, _, _), (_, _, _, first) in zip(mine, tied) if prm is not None and rank != first]
         self.runner = PipelineRunner(self, plan.mesh, self.pp_axis, pipeline["schedule"], pipeline["microbatches"],
                                      pipeline["virtual_stages"], mine)
+        self.schedule = pipeline["schedule"]
+        self.stage_layers = pipeline["stage_layers"]
+        self.stage_bytes = pipeline["stage_bytes"]
 
     def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
         """Run one step's forwards and backwards over ``microbatches`` microbatches.
@@ -140,6 +143,29 @@ class PipelineModule(ShardedModule):
                 before any communication).
         """
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
+
+    def explain(self, tokens: int | None = None) -> str:
+        """The pipeline: stages (layers, parameter bytes), the schedule as a step-by-rank grid,
+        the theoretical bubble and peak stashed microbatches per rank, the bytes sent per
+        microbatch boundary (after a step), then this stage's sharding plan."""
+        from .parallel.schedules import bubble_fraction, build_schedule, format_grid, simulate
+
+        r = self.runner
+        sim = simulate(build_schedule(self.schedule, r.p, r.m, r.v))
+        lines = [f"Pipeline over {self.pp_axis!r} ({r.p} ranks x {r.v} chunks = {r.n_stages} stages), schedule "
+                 f"{self.schedule}, {r.m} microbatches; bubble (p-1)/(vm+p-1) = {bubble_fraction(r.p, r.m, r.v):.3f}; "
+                 f"peak stashed microbatches per rank {sim.peak_stash}"]
+        for s, layers in enumerate(self.stage_layers):
+            lines.append(f"  stage {s} on rank {s % r.p}: {', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''} "
+                         f"({len(layers)} layers, {self.stage_bytes[s]:,} parameter bytes)")
+        if self.mesh.comm.calls(self.pp_axis, "send"):
+            sent = self.mesh.comm.bytes(self.pp_axis, "send") / self.mesh.comm.calls(self.pp_axis, "send")
+            lines.append(f"  bytes per boundary transfer (measured mean): {sent:,.0f}")
+        lines.append("schedule (forward F, backward B; stage, kind, microbatch):")
+        lines.append(format_grid(sim))
+        lines.append("this rank's stage:")
+        lines.append(self.plan.explain(tokens))
+        return "\n".join(lines)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
@@ -178,6 +204,12 @@ def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> P
         prm = model.get_parameter(pp.name)
         if len(owners.get(id(prm), ())) > 1 and pp.requires_grad:
             tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), pp.dtype, min(owners[id(prm)])))
+    pipeline["stage_layers"], pipeline["stage_bytes"] = [], []
+    for s in range(mesh.size(axis) * pipeline["virtual_stages"]):
+        st = stages[s % mesh.size(axis)]
+        layers = st._chunks[s // mesh.size(axis)]
+        pipeline["stage_layers"].append([name for name, _ in layers])
+        pipeline["stage_bytes"].append(st.chunk_bytes[s // mesh.size(axis)])
     stage = stages[mesh.index(axis)]
     # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)

@@ -136,3 +136,66 @@ def test_pipeline_option_errors():
     mesh = shardlib.init_mesh({"dp": 1})
     with pytest.raises(ShardingError, match="needs a pipeline axis"):
         shardlib.shard(GPT(_config(2)), mesh, microbatches=4)
+
+
+def _fail_mid_schedule():
+    mesh = shardlib.init_mesh({"pp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(_config(4)), mesh, microbatches=4)
+    calls = []
+
+    def criterion(logits, y):
+        calls.append(1)
+        if len(calls) == 2:  # the last stage fails on its second microbatch
+            raise RuntimeError("boom in the criterion at microbatch 1")
+        return ce(logits, y)
+
+    x = _batches(8)[0]
+    smodel.forward_backward(x[:, :-1], criterion=criterion, labels=(x[:, 1:],))
+
+
+def test_rank_failing_mid_schedule_ends_every_rank():
+    """The last stage raises while the first waits for a gradient: every rank stops, with the
+    failing rank's message, long before the collective timeout."""
+    import time
+
+    from shardlib.mesh.launch import WorkerGroup
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed with RuntimeError: boom in the criterion") as err:
+        with WorkerGroup(2, timeout=60) as group:
+            group.run(_fail_mid_schedule)
+    assert time.monotonic() - start < 45
+    assert "still running" in err.value.message
+
+
+def _explain_worker():
+    mesh = shardlib.init_mesh({"pp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(_config(4)), mesh, microbatches=4, schedule="gpipe")
+    x = _batches(8)[0]
+    smodel.forward_backward(x[:, :-1], criterion=ce, labels=(x[:, 1:],))
+    from shardlib.parallel.pipeline import timeline_svg
+
+    return smodel.explain(), smodel.timeline
+
+
+def test_pipeline_explain_and_timeline_picture():
+    (text, tl0), (_, tl1) = run_on(2, _explain_worker)
+    assert "schedule gpipe, 4 microbatches; bubble (p-1)/(vm+p-1) = 0.200" in text
+    assert "peak stashed microbatches per rank [4, 4]" in text
+    assert "stage 0 on rank 0: embed, blocks.0, blocks.1" in text and "bytes per boundary transfer" in text
+    from shardlib.parallel.pipeline import measured_bubble, timeline_svg
+
+    svg = timeline_svg([tl0, tl1])
+    assert svg.startswith("<svg") and svg.count("<rect") == 16 and "<title>0F0:" in svg and "<title>1B3:" in svg
+    assert all(0 <= b < 1 for b in measured_bubble([tl0, tl1]))
+
+
+def test_bubble_benchmark_smoke():
+    """The benchmark runs at a tiny size (its 5% target is checked by the benchmark itself)."""
+    from benchmarks.pipeline_bubble import measure
+
+    rows = measure(2, 2, forward_ms=2.0, backward_ms=None)
+    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved_1f1b"]
+    assert all(len(r["measured"]) == 2 for r in rows)

@@ -85,6 +85,14 @@ class WorkerGroup:
         self._conns, self._procs = [], []
         old = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
+        # spawn re-runs the parent's __main__ file in each child; a script read from stdin or -c
+        # has none (functions travel by cloudpickle anyway), so hide a __file__ that does not exist
+        main = sys.modules.get("__main__")
+        hidden = getattr(main, "__file__", None)
+        if hidden is not None and not os.path.exists(hidden):
+            del main.__file__
+        else:
+            hidden = None
         try:
             for rank in range(nprocs):
                 parent, child = ctx.Pipe()
@@ -98,6 +106,8 @@ class WorkerGroup:
                 self._conns.append(parent)
                 self._procs.append(proc)
         finally:
+            if hidden is not None:
+                main.__file__ = hidden
             if old is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:

@@ -58,6 +58,10 @@ class Stage(nn.Module):
     def __init__(self, chunks: list[list]):
         super().__init__()
         self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
+        self.chunk_bytes = []  # parameter bytes of each chunk, a shared tensor counted once
+        for layers in chunks:
+            unique = {id(p): p for _, mods, _ in layers for m in mods.values() for p in m.parameters()}
+            self.chunk_bytes.append(sum(p.numel() * p.element_size() for p in unique.values()))
         for layers in chunks:
             for _, modules, _ in layers:
                 for path, module in modules.items():
@@ -199,13 +203,13 @@ class PipelineRunner:
         outs: list = [None] * m
         pending: list = []
         self.timeline = []
-        t0 = time.perf_counter()
+        t0 = 0.0  # absolute CLOCK_MONOTONIC times: comparable across the processes of one machine
         actions = self.actions if backward else [a for a in self.actions if a.kind == "F"]
         for a in actions:
-            start = time.perf_counter() - t0
             chunk = a.stage // self.p
             if a.kind == "F":
                 inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
+                start = time.perf_counter() - t0  # compute only: waiting for the input is idle time
                 with self.smodel.no_sync():
                     out = self.smodel(chunk, inp)
                 if a.stage == last:
@@ -216,7 +220,9 @@ class PipelineRunner:
                     if return_outputs:
                         outs[a.microbatch] = out.detach()
                     outputs[(a.stage, a.microbatch)] = loss / m
+                    end = time.perf_counter() - t0
                 else:
+                    end = time.perf_counter() - t0
                     self._send(out, a.stage, a.microbatch, False, pending)
                     if backward:
                         outputs[(a.stage, a.microbatch)] = out
@@ -228,11 +234,13 @@ class PipelineRunner:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
                 grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True)
+                start = time.perf_counter() - t0
                 with self.smodel.no_sync():
                     torch.autograd.backward(out, grad)
+                end = time.perf_counter() - t0
                 if a.stage > 0:
                     self._send(inp.grad, a.stage, a.microbatch, True, pending)
-            self.timeline.append((str(a), start, time.perf_counter() - t0))
+            self.timeline.append((str(a), start, end))
         for work, _ in pending:
             work.wait(self.mesh.timeout)
         if backward:
@@ -279,7 +287,8 @@ def timeline_svg(timelines: list[list[tuple[str, float, float]]], width: int = 9
         for name, s, e in tl:
             x, w = 70 + (s - start) * scale, max((e - s) * scale, 1)
             color = "#4e79a7" if "F" in name else "#f28e2b"
-            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" stroke="white"/>')
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" stroke="white">'
+                         f'<title>{name}: {(e - s) * 1e3:.2f} ms</title></rect>')
             if w > 18:
                 parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white">{name}</text>')
     parts.append(f'<text x="70" y="{row * len(timelines) + 24}">{(end - start) * 1e3:.1f} ms; bubble per rank '
