@@ -28,7 +28,15 @@ from .parallel import (
     vocab_parallel_cross_entropy,
 )
 from .plan import ChunkPlan, ParamPlan, Plan, plan
-from .shard import PipelineModule, ShardedModule, full_grads, full_state_dict, model_state_bytes, shard
+from .shard import (
+    PipelineModule,
+    ShardedModule,
+    full_grads,
+    full_state_dict,
+    load_full_state_dict,
+    model_state_bytes,
+    shard,
+)
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
 
 __all__ = [
@@ -62,6 +70,7 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "full_grads",
+    "load_full_state_dict",
     "model_state_bytes",
     "gather_from_region",
     "scatter_to_region",

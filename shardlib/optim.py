@@ -104,6 +104,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise TypeError(f"ZeroOptimizer takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
         self.smodel = smodel
         self._zero = smodel._zero
+        if not self._zero.optimizer_params():
+            raise ValueError(
+                f"ZeroOptimizer: the sharded {type(smodel.module).__name__} has no trainable parameters on this rank "
+                "(all frozen, or none): there is nothing to optimize"
+            )
         self.optimizer = optimizer_cls(self._zero.optimizer_params(), **optimizer_kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None

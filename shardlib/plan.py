@@ -381,8 +381,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     Raises:
         ShardingError: an unknown option; a zero_stage outside 0-3; an unknown or repeated data
             axis; a spec naming an unknown axis or longer than its tensor; a spec along a data
-            axis with zero_stage < 3; a spec along a non-data axis (tensor parallel is not
-            lowered yet); a mesh axis of size > 1 that nothing uses; a pattern matching no
+            axis with zero_stage < 3; a tensor-parallel layout that
+            cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis of size > 1
+            that nothing uses; a pattern matching no
             parameter; conflicting specs on a tied parameter; a parameter on the meta device.
 
     Example:

@@ -11,12 +11,13 @@ from torch import nn
 
 from .errors import ShardingError
 from .mesh.regions import _uneven_gather
+from .spec import shard_range
 from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .plan import Plan, plan
 
-__all__ = ["ShardedModule", "PipelineModule", "shard", "full_state_dict", "full_grads", "model_state_bytes"]
+__all__ = ["ShardedModule", "PipelineModule", "shard", "load_full_state_dict", "full_state_dict", "full_grads", "model_state_bytes"]
 
 
 class ShardedModule(nn.Module):
@@ -62,6 +63,21 @@ class ShardedModule(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             zero.root_post_forward()
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        """The module's state dict; under ZeRO-3 parameters are sharded flat chunks, so this
+        raises: use :func:`full_state_dict` (a collective, on every rank)."""
+        if self._zero.stage == 3:
+            raise RuntimeError(
+                "state_dict() of a ZeRO-3 sharded module: its parameters are flat shards, not tensors of their "
+                "global shape. Use shardlib.full_state_dict(smodel) on every rank (rank0_only=True to keep one copy)"
+            )
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load full tensors under the original names (as :func:`full_state_dict` returns); every
+        rank takes its own shards, so there is no communication. See :func:`load_full_state_dict`."""
+        return load_full_state_dict(self, state_dict, strict=strict)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -369,3 +385,62 @@ def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str,
     out["optimizer"] = size(states)
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+@torch.no_grad()
+def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool = True):
+    """Copy full tensors (original names, global shapes) into this rank's shards and buffers.
+
+    Each rank slices what it holds (tensor-parallel slice, then its ZeRO shard or the whole
+    chunk), so nothing is communicated; every rank must pass the same tensors.
+
+    Returns:
+        ``(missing, unexpected)`` key lists, as ``nn.Module.load_state_dict``.
+
+    Raises:
+        RuntimeError: with ``strict``, a missing or unexpected key, or a shape that differs
+            from the parameter's global shape.
+    """
+    smodel = _require_sharded(smodel, "load_full_state_dict")
+    plan, zero = smodel.plan, smodel._zero
+    coords = plan.coords()
+    known = set()
+    missing = []
+    for pp in plan.params:
+        names = (pp.name,) + pp.aliases
+        known.update(names)
+        name = next((n for n in names if n in state_dict), None)
+        if name is None:
+            missing.append(pp.name)
+            continue
+        full = state_dict[name]
+        if tuple(full.shape) != pp.global_shape:
+            raise RuntimeError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, expected {pp.global_shape}")
+        local = full
+        if pp.tp_axis is not None:
+            n, k, d = dict(plan.mesh_shape)[pp.tp_axis], pp.tp_fused, pp.tp_dim
+            block = full.shape[d] // k
+            lo, hi = shard_range(block, n, coords[pp.tp_axis])
+            local = torch.cat([full.narrow(d, b * block + lo, hi - lo) for b in range(k)], dim=d)
+        flat = local.reshape(-1)
+        c, off = plan.placement[pp.name]
+        chunk = zero.chunks[c]
+        if zero.stage == 3:
+            lo, hi = chunk.slot.start, chunk.slot.stop
+            a, b = max(lo, off), min(hi, off + flat.numel())
+            if a < b:
+                chunk.shard[a - lo : b - lo].copy_(flat[a - off : b - off])
+        else:
+            chunk.full[off : off + flat.numel()].copy_(flat)
+    buffers = dict(smodel.module.named_buffers())
+    for name, buf in buffers.items():
+        if name in state_dict:
+            buf.copy_(state_dict[name])
+        else:
+            owner, _, leaf = name.rpartition(".")
+            if leaf not in smodel.module.get_submodule(owner)._non_persistent_buffers_set:
+                missing.append(name)
+    unexpected = [k for k in state_dict if k not in known and k not in buffers]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    return missing, unexpected

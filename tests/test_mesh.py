@@ -392,7 +392,7 @@ def test_bad_collective_calls_fail_before_communicating(collectives):
         assert errors["all_to_all_indivisible"][0] == "ShardingError"
         assert "splits dimension 0 of shape (3, 2), which 2 does not divide" in errors["all_to_all_indivisible"][1]
         assert errors["unknown_axis"] == ("ShardingError", "axis 'pp' is not in the mesh {'dp': 2, 'tp': 2}; its axes are ['dp', 'tp']")
-        assert errors["ppermute_bad_perm"][0] == "ValueError" and "partial permutation of 0..1" in errors["ppermute_bad_perm"][1]
+        assert errors["ppermute_bad_perm"][0] == "ShardingError" and "partial permutation of 0..1" in errors["ppermute_bad_perm"][1]
         assert errors["bad_op"][0] == "ValueError" and "'prod'" in errors["bad_op"][1]
         assert res["calls_after_errors"] == 0
         assert res["after"] == 4.0

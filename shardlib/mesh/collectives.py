@@ -72,7 +72,8 @@ def _finish(work, then, mesh: Mesh, async_op: bool) -> Handle:
     return handle
 
 
-def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True) -> Handle:
+def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
+                   channel: int = 0) -> Handle:
     """In-place all-reduce of ``t`` over ``axis``; counted as ``all_reduce``."""
     names = _names(mesh, axis)
     n = mesh.size(names)
@@ -80,7 +81,7 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
         return _done()
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
-    work = dist.all_reduce(t, op=_OPS[op], group=mesh.group(names), async_op=True)
+    work = dist.all_reduce(t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
     return _finish(work, then, mesh, async_op)
 
@@ -122,7 +123,8 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     return _finish(work, None, mesh, async_op)
 
 
-def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum") -> Handle:
+def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
+                       channel: int = 0) -> Handle:
     """Reduce the flat ``full`` over ``axis`` and write this rank's equal slice into ``shard``.
 
     ``full`` is clobbered (on gloo it holds the all-reduced sum afterwards). ``shard`` may be a
@@ -145,7 +147,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
         then()
         return _done()
     mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
-    group = mesh.group(names)
+    group = mesh.group(names, channel)
     if mesh.backend == "gloo":
         work = dist.all_reduce(full.view(-1), group=group, async_op=True)
     else:
@@ -389,5 +391,10 @@ def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]], *, me
     n = mesh.size(axis)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or not all(0 <= i < n for i in srcs + dsts):
-        raise ValueError(f"ppermute perm {perm} must be a partial permutation of 0..{n - 1} (axis {axis!r})")
+        from ..errors import ShardingError
+
+        raise ShardingError(
+            f"ppermute perm {perm} must be a partial permutation of 0..{n - 1} (axis {axis!r} has {n} ranks): "
+            "each index sends at most once and receives at most once"
+        )
     return _PPermute.apply(x, mesh, _names(mesh, axis), perm)

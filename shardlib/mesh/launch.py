@@ -147,8 +147,15 @@ class WorkerGroup:
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
+                    self._procs[rank].join(timeout=1)
                     code = self._procs[rank].exitcode
-                    errors[rank] = ("ProcessExit", f"worker process exited (exit code {code})", "")
+                    how = f"exit code {code}"
+                    if code is not None and code < 0:
+                        import signal
+
+                        how = f"killed by {signal.Signals(-code).name}" + (
+                            " (a native crash; the worker's stderr has the backend's message)" if -code in (6, 11) else "")
+                    errors[rank] = ("ProcessExit", f"worker process exited ({how})", "")
                     del pending[rank]
                     continue
                 del pending[rank]

@@ -190,28 +190,33 @@ class Mesh(AbstractMesh):
             self.group(name)
         self._tokens: list = []
 
-    def group(self, axis: Axis):
+    def group(self, axis: Axis, channel: int = 0):
         """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
 
-        Groups for tuples of axes are created on first use: every rank must ask for them in the
-        same order (true of SPMD code), as ``torch.distributed.new_group`` requires.
+        ``channel`` > 0 gives another group over the same ranks: collectives on different
+        channels are ordered independently (ZeRO reduces gradients on channel 1 while parameters
+        are gathered on channel 0, so the two streams cannot pair up across ranks).
+        Groups for tuples of axes and other channels are created on first use: every rank must
+        ask for them in the same order (true of SPMD code), as ``torch.distributed.new_group``
+        requires.
         """
         import torch.distributed as dist
 
         names = self._axes(axis)
-        if names not in self._groups:
+        key_names = names if channel == 0 else names + (f"#{channel}",)
+        if key_names not in self._groups:
             if not dist.is_initialized():
-                self._groups[names] = None
+                self._groups[key_names] = None
                 return None
             mine = None
             for ranks in self.all_groups(names):
-                key = (id(dist.group.WORLD), tuple(ranks), self.timeout)
+                key = (id(dist.group.WORLD), tuple(ranks), self.timeout, channel)
                 if key not in _GROUP_CACHE:
                     _GROUP_CACHE[key] = dist.new_group(ranks, timeout=self.timeout, backend=self.backend)
                 if self.rank in ranks:
                     mine = _GROUP_CACHE[key]
-            self._groups[names] = mine
-        return self._groups[names]
+            self._groups[key_names] = mine
+        return self._groups[key_names]
 
     def __enter__(self) -> "Mesh":
         self._tokens.append(_CURRENT.set(self))

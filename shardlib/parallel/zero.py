@@ -42,6 +42,11 @@ from ..mesh.collectives import Handle, raw_all_gather, raw_all_reduce, raw_broad
 
 __all__ = ["ZeroRuntime"]
 
+# Gradient reductions run on their own process group (channel): launched in a fixed order, they
+# never interleave with parameter gathers, whose timing follows the data (a module that runs on
+# one rank only), so the two streams cannot pair up differently on different ranks.
+_REDUCE = 1
+
 
 class _Chunk:
     """Runtime state of one planned chunk."""
@@ -115,6 +120,8 @@ class ZeroRuntime:
             members[c].append((by_name[pp.name], off))
         self.sync = True
         self.unsynced = False  # the last backward ran inside no_sync()
+        if self.n > 1:
+            mesh.group(self.axes, _REDUCE)  # created now, collectively, on every rank
         self._handles: list = []
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
@@ -203,15 +210,18 @@ class ZeroRuntime:
 
     def _launch_reduce(self, chunk: _Chunk) -> None:
         if self.stage == 0:
-            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True)
+            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
+                                                 channel=_REDUCE)
             return
         if chunk.grad_full is None:
             chunk.grad_full = torch.zeros_like(chunk.full)
         if self.stage == 1:
-            chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg")
+            chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes, async_op=True,
+                                                     op="avg", channel=_REDUCE)
         else:
             tmp = torch.empty_like(chunk.grad_shard)
-            chunk.reduce_handle = raw_reduce_scatter(tmp, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg")
+            chunk.reduce_handle = raw_reduce_scatter(tmp, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
+                                                     channel=_REDUCE)
             chunk.reduce_tmp = tmp
 
     def _finish_reduce(self, chunk: _Chunk) -> None:
