@@ -20,9 +20,7 @@ import numpy as np
 import torch
 
 from .errors import ShardingError
-from .mesh.comm import ring_bytes
-from .parallel.tensor_cost import tensor_parallel_collectives
-from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel
+from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
 from .spec import PartitionSpec, resolve_specs, shard_range
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
@@ -248,64 +246,11 @@ class Plan:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     def comm_per_step(self, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
-        """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step.
+        """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step; see
+        :func:`shardlib.cost.comm_per_step` for the model."""
+        from .cost import comm_per_step
 
-        Args:
-            micro_steps: forward/backward passes per step (all but the last under
-                ``no_sync()``); stage 3 gathers the parameters again for each.
-            clip: ``ZeroOptimizer(max_grad_norm=...)`` is used (one 4-byte all-reduce of the
-                squared norm under stages 1-3).
-            tokens: tokens in one micro-batch on one rank (local batch x sequence length);
-                needed for the activation collectives of tensor/sequence parallelism, which are
-                left out when it is None.
-
-        One step is ``micro_steps`` forward and backward passes and ``ZeroOptimizer.step()``:
-        stage 0 all-reduces the trainable chunks (2Ψ(N-1)/N); stages 1-2 reduce-scatter them and
-        all-gather the updated shards (2Ψ(N-1)/N); stage 3 all-gathers every chunk in forward and
-        again in backward and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
-        parameters). Ψ counts padded elements.
-        """
-        n = self.data_size
-        out: dict[tuple[str, str], list] = {}
-        if tokens is not None:
-            mesh_shape = dict(self.mesh_shape)
-            itemsize = self.params[0].dtype.itemsize if self.params else 4
-            for c in tensor_parallel_collectives(self):
-                calls, total = out.setdefault((c.axis, c.kind), [0, 0.0])
-                nbytes = c.payload(tokens) * itemsize
-                out[(c.axis, c.kind)] = [calls + micro_steps, total + micro_steps * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
-        if clip:
-            mesh_shape = dict(self.mesh_shape)
-            tp_axes = tuple(sorted({layer.axis for layer in self.tp_layers}))
-            for sharded in sorted({c.tp_sharded for c in self.chunks if c.requires_grad}):
-                axes = (self.data_axes if self.effective_stage >= 1 else ()) + (tp_axes if sharded else ())
-                size = int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)) if axes else 1
-                if size > 1:
-                    key = ("+".join(axes), "all_reduce")
-                    calls, total = out.setdefault(key, [0, 0.0])
-                    out[key] = [calls + 1, total + float(ring_bytes("all_reduce", 4, size))]
-        if n <= 1:
-            return {k: (v[0], v[1]) for k, v in sorted(out.items())}
-        axis = "+".join(self.data_axes)
-
-        def add(kind, chunk, times=1):
-            calls, total = out.setdefault((axis, kind), [0, 0.0])
-            nbytes = chunk.padded_numel * chunk.element_size
-            out[(axis, kind)] = [calls + times, total + times * float(ring_bytes(kind, nbytes, n))]
-
-        for c in self.chunks:
-            if self.zero_stage == 0:
-                if c.requires_grad:
-                    add("all_reduce", c)
-            elif self.zero_stage in (1, 2):
-                if c.requires_grad:
-                    add("reduce_scatter", c)
-                    add("all_gather", c)
-            else:
-                add("all_gather", c, 2 * micro_steps)
-                if c.requires_grad:
-                    add("reduce_scatter", c)
-        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+        return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
     def explain(self, tokens: int | None = None) -> str:
@@ -488,38 +433,15 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             f"split no row layer (mesh {mesh_shape}). Fix: add tensor-parallel specs (e.g. models.gpt.tp_specs()), "
             "or drop sequence_parallel"
         )
-    sp_entry, sp_grad_params = "", ()
-    if sequence_parallel:
-        sp_entry = _sequence_parallel_entry(model, options.get("sp_entry"))
-        row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
-        names = []
-        for mname, module in model.named_modules():
-            for pname, prm in module.named_parameters(prefix=mname, recurse=False):
-                if prm.requires_grad and ("Norm" in type(module).__name__ or pname in row_biases):
-                    names.append(pname)
-        sp_grad_params = tuple(dict.fromkeys(names))
+    sp_entry, sp_exit, sp_grad_params = (
+        sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
+        if sequence_parallel else ("", "", ())
+    )
     zero = "replicated" if stage == 0 else f"zero-{stage}"
-
-    layers_by_path = {layer.path: layer for layer in tp_layers}
-    weight_dim = {("column", False): 0, ("column", True): 1, ("row", False): 1, ("row", True): 0,
-                  ("vocab", False): 0, ("embed_dim", False): 1}
-
-    def tp_split(names):
-        """(axis, dim, fused) of the tensor split of a parameter known by ``names``."""
-        for n in names:
-            path, _, attr = n.rpartition(".")
-            layer = layers_by_path.get(path)
-            if layer is None:
-                continue
-            if attr == "weight":
-                return layer.axis, weight_dim[(layer.kind, layer.transposed)], layer.fused
-            if attr == "bias" and layer.kind == "column":
-                return layer.axis, 0, layer.fused
-        return None, None, 1
 
     param_plans = []
     for key, names in names_of.items():
-        axis, dim, fused_blocks = tp_split(names)
+        axis, dim, fused_blocks = tensor_split(tp_layers, names)
         role = next((roles[n] for n in names if n in roles), None)
         param_plans.append(ParamPlan(
             name=names[0],
@@ -545,40 +467,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         tp_layers=tuple(tp_layers),
         sequence_parallel=sequence_parallel,
         sp_entry=sp_entry,
-        sp_exit=_sp_exit(model, options.get("sp_exit")) if sequence_parallel else "",
+        sp_exit=sp_exit,
         sp_grad_params=sp_grad_params,
         dropout_seed=int(options.get("dropout_seed", 0)),
         mesh=mesh,
     )
 
-
-def _sequence_parallel_entry(model: torch.nn.Module, given: str | None) -> str:
-    """The module whose input is split along the sequence (entering the SP region).
-
-    Default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the first
-    block of the longest ``ModuleList`` (the decoder layers: LLaMA), so that masks and positions
-    are computed on the whole sequence before the split.
-    """
-    modules = dict(model.named_modules())
-    if given is not None:
-        if given not in modules:
-            raise ShardingError(f"sp_entry {given!r} is not a module of {type(model).__name__}")
-        return given
-    drops = [name for name in modules if name.rpartition(".")[2] == "drop"]
-    if drops:
-        return drops[0]
-    lists = [(len(m), name) for name, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
-    if lists:
-        return f"{max(lists, key=lambda t: t[0])[1]}.0"
-    raise ShardingError(
-        "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after the "
-        f"embeddings or a ModuleList of blocks; {type(model).__name__} has neither. Fix: pass sp_entry='<module path>'"
-    )
-
-
-def _sp_exit(model: torch.nn.Module, given: str | None) -> str:
-    if given is None:
-        return ""
-    if given not in dict(model.named_modules()):
-        raise ShardingError(f"sp_exit {given!r} is not a module of {type(model).__name__}")
-    return given

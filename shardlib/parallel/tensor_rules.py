@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import ShardingError
 from ..spec import PartitionSpec
 
-__all__ = ["TPLayer", "analyze_tensor_parallel"]
+__all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout"]
 
 
 @dataclass(frozen=True)
@@ -240,3 +240,60 @@ def analyze_tensor_parallel(
                           output_layer=(g.kind == "column" and not rows), group=parent if rows else "", fused=g.fused)
                   for g in group]
     return roles, final
+
+
+_WEIGHT_DIM = {("column", False): 0, ("column", True): 1, ("row", False): 1, ("row", True): 0,
+               ("vocab", False): 0, ("embed_dim", False): 1}
+
+
+def tensor_split(tp_layers, names) -> tuple[str | None, int | None, int]:
+    """(axis, dim, fused blocks) of the tensor split of a parameter known by ``names`` (its
+    canonical name and tied aliases), or ``(None, None, 1)`` when it is not split."""
+    by_path = {layer.path: layer for layer in tp_layers}
+    for n in names:
+        path, _, attr = n.rpartition(".")
+        layer = by_path.get(path)
+        if layer is None:
+            continue
+        if attr == "weight":
+            return layer.axis, _WEIGHT_DIM[(layer.kind, layer.transposed)], layer.fused
+        if attr == "bias" and layer.kind == "column":
+            return layer.axis, 0, layer.fused
+    return None, None, 1
+
+
+def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exit_: str | None) -> tuple[str, str, tuple[str, ...]]:
+    """(entry module, exit module, parameters whose gradients are summed over the tensor axis).
+
+    Entry default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the
+    first block of the longest ``ModuleList`` (the decoder layers: LLaMA), so masks and positions
+    are built on the whole sequence before the split. Exit: a module whose output is gathered
+    along the sequence (GPT-2's ``ln_f``); default none (the output layer gathers). Norm weights
+    and row-layer biases run on sequence shards, so their gradients are partial sums.
+
+    Raises:
+        ShardingError: an entry or exit that is not a module; no entry found.
+    """
+    modules = dict(model.named_modules())
+    for label, given in (("sp_entry", entry), ("sp_exit", exit_)):
+        if given is not None and given not in modules:
+            raise ShardingError(f"{label} {given!r} is not a module of {type(model).__name__}")
+    if entry is None:
+        drops = [name for name in modules if name.rpartition(".")[2] == "drop"]
+        lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
+        if drops:
+            entry = drops[0]
+        elif lists:
+            entry = f"{max(lists, key=lambda t: t[0])[1]}.0"
+        else:
+            raise ShardingError(
+                "sequence_parallel=True needs an entry into the sequence-parallel region: a module named 'drop' after "
+                f"the embeddings or a ModuleList of blocks; {type(model).__name__} has neither. Fix: pass sp_entry='<path>'"
+            )
+    row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
+    names = []
+    for mname, module in model.named_modules():
+        for pname, prm in module.named_parameters(prefix=mname, recurse=False):
+            if prm.requires_grad and ("Norm" in type(module).__name__ or pname in row_biases):
+                names.append(pname)
+    return entry, exit_ or "", tuple(dict.fromkeys(names))

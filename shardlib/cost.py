@@ -1,0 +1,71 @@
+"""The cost model: bytes each rank communicates per training step, predicted from a Plan."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .mesh.comm import ring_bytes
+from .parallel.tensor_cost import tensor_parallel_collectives
+
+__all__ = ["comm_per_step"]
+
+
+def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
+    """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step of ``plan``.
+
+    Args:
+        micro_steps: forward/backward passes per step (all but the last under
+            ``no_sync()``); stage 3 gathers the parameters again for each.
+        clip: ``ZeroOptimizer(max_grad_norm=...)`` is used (one 4-byte all-reduce of the
+            squared norm under stages 1-3).
+        tokens: tokens in one micro-batch on one rank (local batch x sequence length);
+            needed for the activation collectives of tensor/sequence parallelism, which are
+            left out when it is None.
+
+    One step is ``micro_steps`` forward and backward passes and ``ZeroOptimizer.step()``:
+    stage 0 all-reduces the trainable chunks (2Ψ(N-1)/N); stages 1-2 reduce-scatter them and
+    all-gather the updated shards (2Ψ(N-1)/N); stage 3 all-gathers every chunk in forward and
+    again in backward and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
+    parameters). Ψ counts padded elements.
+    """
+    n = plan.data_size
+    out: dict[tuple[str, str], list] = {}
+    if tokens is not None:
+        mesh_shape = dict(plan.mesh_shape)
+        itemsize = plan.params[0].dtype.itemsize if plan.params else 4
+        for c in tensor_parallel_collectives(plan):
+            calls, total = out.setdefault((c.axis, c.kind), [0, 0.0])
+            nbytes = c.payload(tokens) * itemsize
+            out[(c.axis, c.kind)] = [calls + micro_steps, total + micro_steps * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
+    if clip:
+        mesh_shape = dict(plan.mesh_shape)
+        tp_axes = tuple(sorted({layer.axis for layer in plan.tp_layers}))
+        for sharded in sorted({c.tp_sharded for c in plan.chunks if c.requires_grad}):
+            axes = (plan.data_axes if plan.effective_stage >= 1 else ()) + (tp_axes if sharded else ())
+            size = int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)) if axes else 1
+            if size > 1:
+                key = ("+".join(axes), "all_reduce")
+                calls, total = out.setdefault(key, [0, 0.0])
+                out[key] = [calls + 1, total + float(ring_bytes("all_reduce", 4, size))]
+    if n <= 1:
+        return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+    axis = "+".join(plan.data_axes)
+
+    def add(kind, chunk, times=1):
+        calls, total = out.setdefault((axis, kind), [0, 0.0])
+        nbytes = chunk.padded_numel * chunk.element_size
+        out[(axis, kind)] = [calls + times, total + times * float(ring_bytes(kind, nbytes, n))]
+
+    for c in plan.chunks:
+        if plan.zero_stage == 0:
+            if c.requires_grad:
+                add("all_reduce", c)
+        elif plan.zero_stage in (1, 2):
+            if c.requires_grad:
+                add("reduce_scatter", c)
+                add("all_gather", c)
+        else:
+            add("all_gather", c, 2 * micro_steps)
+            if c.requires_grad:
+                add("reduce_scatter", c)
+    return {k: (v[0], v[1]) for k, v in sorted(out.items())}
