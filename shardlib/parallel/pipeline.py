@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
+from ..mesh.collectives import raw_all_reduce
 from .schedules import Action, build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
@@ -194,50 +195,47 @@ class PipelineRunner:
                 f"forward_backward: the local batch of {x.shape[0]} rows (labels {[tuple(y.shape) for y in labels]}) "
                 f"does not split into {m} equal microbatches. Fix: a local batch divisible by {m}"
             )
+        last = self.n_stages - 1
+        if criterion is None and any(a.stage == last for a in self.actions):
+            raise ShardingError("forward_backward: the last stage needs criterion=, a function (output, *labels) -> loss")
         xs = x.chunk(m)
         ys = [y.chunk(m) for y in labels]
-        last = self.n_stages - 1
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], Any] = {}
         losses: list = [None] * m
         outs: list = [None] * m
         pending: list = []
         self.timeline = []
-        t0 = 0.0  # absolute CLOCK_MONOTONIC times: comparable across the processes of one machine
+        # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
+        # of one machine, so timelines of all ranks share one axis
         actions = self.actions if backward else [a for a in self.actions if a.kind == "F"]
         for a in actions:
             chunk = a.stage // self.p
             if a.kind == "F":
                 inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
-                start = time.perf_counter() - t0  # compute only: waiting for the input is idle time
+                start = time.perf_counter()  # compute only: waiting for the input is idle time
                 with self.smodel.no_sync():
                     out = self.smodel(chunk, inp)
                 if a.stage == last:
-                    if criterion is None:
-                        raise ShardingError("forward_backward on the last stage needs criterion=")
                     loss = criterion(out, *[y[a.microbatch] for y in ys])
                     losses[a.microbatch] = loss.detach()
                     if return_outputs:
                         outs[a.microbatch] = out.detach()
-                    outputs[(a.stage, a.microbatch)] = loss / m
-                    end = time.perf_counter() - t0
-                else:
-                    end = time.perf_counter() - t0
+                    out = loss / m  # what the backward starts from
+                end = time.perf_counter()
+                if a.stage != last:
                     self._send(out, a.stage, a.microbatch, False, pending)
-                    if backward:
-                        outputs[(a.stage, a.microbatch)] = out
                 if backward:
+                    outputs[(a.stage, a.microbatch)] = out
                     inputs[(a.stage, a.microbatch)] = inp
-                else:
-                    outputs.pop((a.stage, a.microbatch), None)
             else:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
                 grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True)
-                start = time.perf_counter() - t0
+                start = time.perf_counter()
                 with self.smodel.no_sync():
                     torch.autograd.backward(out, grad)
-                end = time.perf_counter() - t0
+                end = time.perf_counter()
                 if a.stage > 0:
                     self._send(inp.grad, a.stage, a.microbatch, True, pending)
             self.timeline.append((str(a), start, end))
@@ -252,14 +250,9 @@ class PipelineRunner:
 
     def _sum_tied_grads(self) -> None:
         zero = self.smodel._zero
-        for name, prm, numel, dtype in self.tied:
-            buf = zero.local_grad_view(prm) if prm is not None else None
-            flat = buf.clone() if buf is not None else torch.zeros(numel, dtype=dtype)
-            from ..mesh.collectives import raw_all_reduce
-
-            raw_all_reduce(flat, self.mesh, self.axis)
-            if buf is not None:
-                buf.copy_(flat)
+        for name, prm, numel, dtype in self.tied:  # every pp rank, in one order; zeros where absent
+            grad = zero.local_grad_view(prm) if prm is not None else torch.zeros(numel, dtype=dtype)
+            raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]

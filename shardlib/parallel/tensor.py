@@ -61,6 +61,18 @@ def _check_embedding(emb: nn.Embedding) -> None:
         )
 
 
+def _from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str, dim: int, **kwargs) -> nn.Module:
+    """``cls`` (a parallel embedding) holding this rank's slice along ``dim`` of ``emb``'s weight."""
+    _check_embedding(emb)
+    w = emb.weight
+    layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
+                device=w.device, dtype=w.dtype, **kwargs)
+    with torch.no_grad():
+        layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, dim))
+    layer.weight.requires_grad_(w.requires_grad)
+    return layer
+
+
 def _slice_rows(t: torch.Tensor | None, lo: int, hi: int, dim: int) -> torch.Tensor | None:
     return None if t is None else t.detach().narrow(dim, lo, hi - lo).clone()
 
@@ -223,13 +235,7 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "VocabParallelEmbedding":
         """This rank's rows of an existing ``nn.Embedding`` (``padding_idx`` kept)."""
-        _check_embedding(emb)
-        w = emb.weight
-        layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
-                    device=w.device, dtype=w.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 0))
-        return layer
+        return _from_embedding(cls, emb, mesh, axis, 0, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
@@ -265,13 +271,7 @@ class ParallelEmbedding(nn.Module):
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str = "tp", **kwargs) -> "ParallelEmbedding":
         """This rank's columns of an existing ``nn.Embedding`` (``padding_idx`` kept)."""
-        _check_embedding(emb)
-        w = emb.weight
-        layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
-                    device=w.device, dtype=w.dtype, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, 1))
-        return layer
+        return _from_embedding(cls, emb, mesh, axis, 1, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y = F.embedding(ids, self.weight, padding_idx=self.padding_idx)

@@ -122,7 +122,6 @@ class ZeroRuntime:
         self.unsynced = False  # the last backward ran inside no_sync()
         if self.n > 1:
             mesh.group(self.axes, _REDUCE)  # created now, collectively, on every rank
-        self._handles: list = []
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
             for ms in members:
@@ -134,9 +133,11 @@ class ZeroRuntime:
                         p.copy_(flat[start : start + p.numel()].view(p.shape))
             self.broadcast_buffers()
         self.chunks = [_Chunk(c, members[c.index], self.stage, index) for c in plan.chunks]
+        self.param_offset: dict[int, int] = {}  # element offset of each parameter in its chunk
         for chunk in self.chunks:
-            for prm, _ in chunk.params:
+            for prm, off in chunk.params:
                 self.param_chunk[id(prm)] = chunk
+                self.param_offset[id(prm)] = off
         if self.stage == 0:
             self._attach_grad_views()
         self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
@@ -170,7 +171,7 @@ class ZeroRuntime:
     def _on_grad_ready(self, prm: nn.Parameter) -> None:
         chunk = self.param_chunk[id(prm)]
         self._queue_callback()
-        off = next(o for p, o in chunk.params if p is prm)
+        off = self.param_offset[id(prm)]
         n = prm.numel()
         if self.stage == 0:
             view = chunk.grad_full[off : off + n]
@@ -270,7 +271,7 @@ class ZeroRuntime:
     def local_grad_view(self, prm: nn.Parameter) -> torch.Tensor:
         """The unreduced, accumulated local gradient of ``prm`` (flat view into its chunk)."""
         chunk = self.param_chunk[id(prm)]
-        off = next(o for p, o in chunk.params if p is prm)
+        off = self.param_offset[id(prm)]
         if chunk.grad_full is None:
             chunk.grad_full = torch.zeros_like(chunk.full)
         return chunk.grad_full[off : off + prm.numel()]
@@ -278,7 +279,7 @@ class ZeroRuntime:
     def owned_grad_region(self, prm: nn.Parameter) -> torch.Tensor:
         """The part of this rank's gradient shard that belongs to ``prm`` (may be empty)."""
         chunk = self.param_chunk[id(prm)]
-        off = next(o for p, o in chunk.params if p is prm)
+        off = self.param_offset[id(prm)]
         lo = chunk.slot.start if self.stage >= 1 else 0
         hi = lo + chunk.grad_shard.numel()
         a, b = max(lo, off), min(hi, off + prm.numel())
