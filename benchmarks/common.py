@@ -1,0 +1,701 @@
+"""The shared harness of the side-by-side benchmarks: shardlib (A) against PyTorch's own tool (B).
+
+Both sides run in the same worker processes (spawned once, gloo, one thread each), on the same
+reference :class:`~shardlib.models.GPT` built from the same seed, fed the same byte-level batches
+(:func:`shardlib.data.default_corpus`), and are timed in alternating blocks of steps
+(A A A, B B B, A A A, ...), so drift of the machine (other jobs, thermal state) falls on both
+sides alike. A step is forward, backward and the optimizer step; its time is the slowest rank's
+(``time.perf_counter`` around the step, after a barrier), and the figure reported is the median
+over ``steps`` measured steps after ``warmup`` unmeasured ones. The spread of the per-round
+ratios (median A / median B in each round) is the noise figure.
+
+Besides time, each side reports, from one more unmeasured step each:
+
+* communication: logical bytes per rank and calls per step. shardlib counts at its own call sites
+  (:class:`~shardlib.mesh.comm.CommCounter`, the per-rank ring figures of the ZeRO paper);
+  PyTorch's tools are counted by :class:`CollectiveProbe`, a ``TorchDispatchMode`` that sees every
+  ``c10d``/``_c10d_functional`` op (DDP's C++ reducer included) and prices it with the same ring
+  formula. The probe also counts shardlib's *backend* calls (on gloo its all-gathers and
+  reduce-scatters are all-reduces underneath);
+* model-state memory: bytes of distinct storages of parameters, gradients and optimizer state on
+  this rank (shardlib: :func:`shardlib.model_state_bytes`), against the plan and the ZeRO formula;
+* activation memory: bytes autograd saves for backward in one step (parameters left out), and
+  the peak total ``torch.distributed._tools.mem_tracker.MemTracker`` sees over a step (it runs on
+  CPU in torch 2.13; see :func:`activation_bytes` for why its categories are not used).
+
+Run a benchmark module as ``python -m benchmarks.<name>``; ``python -m benchmarks.run`` runs all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "Settings", "SIZES", "Side", "CollectiveProbe", "add_common_args", "settings_from_args", "make_gpt", "batches",
+    "time_pair", "measure_side", "storage_bytes", "torch_state_bytes", "saved_activation_bytes", "activation_bytes", "zero_state_formula",
+    "zero_comm_theory", "compare", "print_table", "write_outputs", "worker_group",
+]
+
+# GPT sizes: "tiny" for the smoke test, "small" for --quick, "10m" (10.8M parameters) for the real run.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=32, block_size=16),
+    "small": dict(n_layer=2, n_head=4, n_embd=128, block_size=64),
+    "10m": dict(n_layer=6, n_head=6, n_embd=384, block_size=128),
+}
+
+
+@dataclass
+class Settings:
+    """What one benchmark run measures (the same on every rank).
+
+    Attributes:
+        size: a key of :data:`SIZES` (the GPT's shape; vocabulary 256, bytes).
+        batch: local batch per data rank (sequences).
+        seq: sequence length T (tokens).
+        steps: measured steps per side (>= 20 for a real run).
+        warmup: unmeasured steps per side before timing.
+        block: steps per side in one alternation round.
+        seed: model and data seed.
+        lr: AdamW learning rate.
+        corpus_bytes: bytes of the standard-library corpus to read.
+        activations: also measure activation memory with MemTracker (one extra step per side).
+    """
+
+    size: str = "small"
+    batch: int = 4
+    seq: int = 64
+    steps: int = 20
+    warmup: int = 3
+    block: int = 5
+    seed: int = 0
+    lr: float = 1e-3
+    corpus_bytes: int = 400_000
+    activations: bool = True
+
+    def gpt_config(self, **overrides):
+        from shardlib.models import GPTConfig
+
+        shape = dict(SIZES[self.size])
+        shape["block_size"] = max(shape["block_size"], self.seq)
+        shape.update(overrides)
+        return GPTConfig(**shape)
+
+
+QUICK = dict(size="small", batch=4, seq=64, steps=20, warmup=3, block=5)
+FULL = dict(size="10m", batch=4, seq=128, steps=20, warmup=3, block=5)
+SMOKE = dict(size="tiny", batch=2, seq=16, steps=2, warmup=1, block=1, corpus_bytes=50_000, activations=True)
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="small GPT (0.4M parameters), about a minute per benchmark")
+    p.add_argument("--smoke", action="store_true", help="tiny GPT, 2 steps: checks the harness, times mean nothing")
+    p.add_argument("--size", choices=sorted(SIZES), default=None)
+    p.add_argument("--batch", type=int, default=None, help="local batch per data rank")
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="measured steps per side (>= 20 for a real run)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--block", type=int, default=None, help="steps per side per alternation round")
+    p.add_argument("--no-activations", action="store_true", help="skip the MemTracker step")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG files")
+
+
+def settings_from_args(args) -> Settings:
+    base = SMOKE if args.smoke else QUICK if args.quick else FULL
+    s = Settings(**base)
+    for name in ("size", "batch", "seq", "steps", "warmup", "block"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(s, name, value)
+    if args.no_activations:
+        s.activations = False
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# model and data
+
+
+def make_gpt(settings: Settings, **overrides) -> torch.nn.Module:
+    """The reference GPT, initialized from ``settings.seed`` (the same tensors on every call)."""
+    from shardlib.models import GPT
+
+    torch.manual_seed(settings.seed)
+    return GPT(settings.gpt_config(**overrides))
+
+
+_CORPUS: dict[int, Any] = {}
+
+
+def batches(settings: Settings, global_batch: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` global batches ``(x, y)``, int64 ``(global_batch, seq)``, from the byte corpus.
+
+    The same seed gives the same batches on every rank; each side slices its local part.
+    """
+    from shardlib.data import default_corpus
+
+    if settings.corpus_bytes not in _CORPUS:
+        _CORPUS[settings.corpus_bytes] = default_corpus(max_bytes=settings.corpus_bytes)
+    corpus = _CORPUS[settings.corpus_bytes]
+    g = torch.Generator().manual_seed(settings.seed + 1)
+    return [corpus.get_batch("train", global_batch, settings.seq, g) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# counting collectives at the dispatcher
+
+
+_KINDS = {
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather", "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "alltoall_": "all_to_all",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
+}
+
+
+class CollectiveProbe(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the collectives that reach the dispatcher (``c10d::*``, ``_c10d_functional::*``).
+
+    Each is priced with :func:`shardlib.mesh.comm.ring_bytes` on the payload the ZeRO paper uses
+    (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the input before
+    scattering; send: the tensor; receives are not counted, so a send is not counted twice).
+    Barriers and ``wait_tensor`` are left out. ``table`` is ``{kind: [calls, bytes]}``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.table: dict[str, list] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns = func.namespace
+        if ns in ("c10d", "_c10d_functional"):
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs) -> None:
+        from shardlib.mesh.comm import ring_bytes
+
+        name = func._schema.name.split("::")[-1]
+        kind = _KINDS.get(name)
+        if kind is None or kind in ("barrier", "recv"):
+            return
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        size = self._group_size(args, kwargs)
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        if kind == "all_gather":
+            payload = max(nbytes)
+        elif kind == "reduce_scatter":
+            payload = max(nbytes)
+        elif kind in ("all_reduce", "broadcast", "send"):
+            payload = sum(nbytes) if name in ("allreduce_", "broadcast_", "send") else nbytes[0]
+        else:
+            payload = nbytes[0]
+        entry = self.table.setdefault(kind, [0, Fraction(0)])
+        entry[0] += 1
+        entry[1] += ring_bytes(kind, payload, size) if kind != "send" else Fraction(payload)
+
+    @staticmethod
+    def _group_size(args, kwargs) -> int:
+        import torch.distributed as dist
+
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, dist.ProcessGroup):
+                return a.size()
+            if isinstance(a, str) and a:
+                try:
+                    return dist.distributed_c10d._resolve_process_group(a).size()
+                except Exception:  # noqa: BLE001 - not a group name
+                    continue
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool) and a > 1:
+                return a  # funcol all_gather/reduce_scatter pass group_size
+        return dist.get_world_size()
+
+    def bytes(self) -> float:
+        return float(sum((v[1] for v in self.table.values()), Fraction(0)))
+
+    def calls(self) -> int:
+        return sum(v[0] for v in self.table.values())
+
+    def summary(self) -> dict[str, list]:
+        return {k: [v[0], float(v[1])] for k, v in sorted(self.table.items())}
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def storage_bytes(tensors, seen: set | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors by their local tensor)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = getattr(t, "_local_tensor", t)
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        total += st.nbytes()
+    return total
+
+
+def torch_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """Model-state bytes on this rank of a PyTorch-parallel model: parameters, gradients and the
+    optimizer's state tensors (0-dim step counters left out), distinct storages only."""
+    seen: set = set()
+    params = list(model.parameters())
+    out = {"params": storage_bytes(params, seen), "grads": storage_bytes([p.grad for p in params], seen)}
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own in .optim
+    states = [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    out["optimizer"] = storage_bytes(states, seen)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``step`` (one forward
+    and backward), parameters left out: the activation memory a step holds at the end of its
+    forward. Counted by ``saved_tensors_hooks``; a shardlib ZeRO-3 module installs its own hooks
+    inside the forward, so its ``pack`` is wrapped to see the same tensors."""
+    seen: set = set()
+    total = [0]
+
+    def params() -> set:
+        return {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+
+    def record(t):
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = getattr(t, "_local_tensor", t).untyped_storage()
+            ptr = st.data_ptr()
+            if st.nbytes() and ptr not in seen and ptr not in params():
+                seen.add(ptr)
+                total[0] += st.nbytes()
+        return t
+
+    patched = []
+    for m in modules:
+        zero = getattr(m, "_zero", None)
+        if zero is not None and getattr(zero, "stage", 0) == 3:
+            orig = zero.pack
+            zero.pack = lambda t, orig=orig: orig(record(t))
+            patched.append(zero)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+            step()
+    finally:
+        for zero in patched:
+            del zero.pack
+    return total[0]
+
+
+def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list) -> dict:
+    """Activation memory of one call of ``step``: ``{"activation": saved-for-backward bytes
+    (:func:`saved_activation_bytes`), "peak_total": peak bytes MemTracker saw over another call}``.
+
+    ``torch.distributed._tools.mem_tracker.MemTracker`` runs on CPU in torch 2.13, but files
+    shardlib's flat gradient buffers (allocated in gradient hooks, not as ``.grad``) under
+    activations/temporaries, so only its category-free peak total is reported.
+    """
+    out: dict[str, Any] = {}
+    try:
+        out["activation"] = saved_activation_bytes(step, modules)
+    except Exception as exc:  # noqa: BLE001 - reported in the output
+        out["activation_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        mt = MemTracker()
+        mt.track_external(*modules, *optimizers)
+        with mt:
+            step()
+        snap = mt.get_tracker_snapshot("peak")
+        cpu = next(iter(snap.values()))
+        out["peak_total"] = int(cpu["Total"])
+    except Exception as exc:  # noqa: BLE001 - reported in the output
+        out["memtracker_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def zero_state_formula(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 2) -> int:
+    """ZeRO's model-state bytes per rank (arXiv 1910.02054, section 5.1) for fp32 training:
+    parameters ``P = itemsize * psi``, gradients ``G = P``, optimizer ``O = k * P`` (AdamW: 2);
+    stage 0 keeps all, 1 divides O by N, 2 divides G + O, 3 divides everything."""
+    p = itemsize * psi
+    g, o = p, k * p
+    if stage == 0:
+        return p + g + o
+    if stage == 1:
+        return p + g + o // n
+    if stage == 2:
+        return p + (g + o) // n
+    return (p + g + o) // n
+
+
+def zero_comm_theory(stage: int, psi_bytes: int, n: int) -> float:
+    """Per-rank bytes per step (ZeRO, section 7): ``2 psi (N-1)/N`` for stages 0-2, ``3 psi (N-1)/N``
+    for stage 3; ``psi_bytes`` is the gradient/parameter payload in bytes."""
+    return float(Fraction((3 if stage == 3 else 2) * psi_bytes * (n - 1), n))
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+@dataclass
+class Side:
+    """One side of a comparison, built on every rank.
+
+    Attributes:
+        label: printed name (``"shardlib zero-3"``, ``"FSDP2"``).
+        step: ``step(i) -> loss`` runs training step ``i`` (forward, backward, optimizer step).
+        modules, optimizers: what MemTracker should follow.
+        state_bytes: ``() -> {"params", "grads", "optimizer", "total"}`` measured on this rank.
+        mesh: the shardlib mesh whose ``comm`` counter counts this side (None for PyTorch).
+        extra: anything else to report (plan predictions, theory).
+    """
+
+    label: str
+    step: Callable[[int], Any]
+    modules: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+    state_bytes: Callable[[], dict] | None = None
+    mesh: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _loss_value(loss) -> float | None:
+    if loss is None:
+        return None
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def time_pair(a: Side, b: Side, settings: Settings) -> dict:
+    """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` until each has
+    ``settings.steps`` measured steps; returns per-step times (this rank) and losses."""
+    times = {"a": [], "b": []}
+    rounds = {"a": [], "b": []}
+    losses = {"a": [], "b": []}
+    counters = {"a": 0, "b": 0}
+    for key, side in (("a", a), ("b", b)):
+        for _ in range(settings.warmup):
+            losses[key].append(_loss_value(side.step(counters[key])))
+            counters[key] += 1
+    while len(times["a"]) < settings.steps or len(times["b"]) < settings.steps:
+        for key, side in (("a", a), ("b", b)):
+            block = []
+            for _ in range(min(settings.block, settings.steps - len(times[key]))):
+                _barrier()
+                t0 = time.perf_counter()
+                loss = side.step(counters[key])
+                block.append(time.perf_counter() - t0)
+                losses[key].append(_loss_value(loss))
+                counters[key] += 1
+            times[key] += block
+            if block:
+                rounds[key].append(block)
+    return {"times": times, "rounds": rounds, "losses": losses, "counters": counters}
+
+
+def measure_side(side: Side, i: int, settings: Settings) -> dict:
+    """Counted communication, model state and activation memory from unmeasured steps."""
+    out: dict[str, Any] = {"label": side.label}
+    probe = CollectiveProbe()
+    if side.mesh is not None:
+        side.mesh.comm.reset()
+    _barrier()
+    with probe:
+        side.step(i)
+    out["backend"] = {"calls": probe.calls(), "bytes": probe.bytes(), "table": probe.summary()}
+    if side.mesh is not None:
+        table = side.mesh.comm.table()
+        out["comm"] = {"calls": side.mesh.comm.calls(), "bytes": side.mesh.comm.bytes(),
+                       "exact_bytes": str(side.mesh.comm.exact_bytes()),
+                       "table": {f"{a}/{k}": [c, b] for (a, k), (c, b) in table.items()}, "source": "shardlib CommCounter"}
+    else:
+        out["comm"] = {"calls": probe.calls(), "bytes": probe.bytes(), "table": probe.summary(),
+                       "source": "dispatcher probe"}
+    if side.state_bytes is not None:
+        out["state_bytes"] = side.state_bytes()
+    if settings.activations:
+        _barrier()
+        steps = iter(range(i + 1, i + 3))
+        out["memory"] = activation_bytes(lambda: side.step(next(steps)), side.modules, side.optimizers)
+    return out
+
+
+def _gather(obj):
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], settings: Settings, theory: dict | None = None) -> dict:
+    """Build both sides, time them alternately, measure them, and gather every rank's figures.
+
+    Returns (on every rank) a row: ``{"name", "a", "b", "ratio", "round_ratios", "theory"}``,
+    where ``a``/``b`` hold ``median_s``, ``iqr_s``, ``times_s`` (slowest rank per step), the
+    first losses, and per rank the counted communication, model state and activation memory. A
+    side that cannot be built or run gives ``{"error": message}`` instead (e.g. a baseline that
+    gloo cannot run), and the other side is still measured alone.
+    """
+    row: dict[str, Any] = {"name": name, "theory": theory or {}}
+    sides, errors = {}, {}
+    for key, make in (("a", make_a), ("b", make_b)):
+        try:
+            sides[key] = make()
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is a result
+            errors[key] = f"{type(exc).__name__}: {exc}".strip()[:2000]
+            errors[key + "_traceback"] = traceback.format_exc()[-3000:]
+    all_errors = _gather(errors)
+    failed = {k for e in all_errors for k in e if not k.endswith("_traceback")}
+    for key in failed:
+        sides.pop(key, None)
+        msg = next(e[key] for e in all_errors if key in e)
+        row[key] = {"error": msg}
+    if not sides:
+        return row
+    if len(sides) == 2:
+        timing = _run_guarded(lambda: time_pair(sides["a"], sides["b"], settings))
+    else:
+        (key, side), = sides.items()
+        dummy = Side("none", lambda i: None)
+        timing = _run_guarded(lambda: time_pair(side, dummy, settings) if key == "a" else time_pair(dummy, side, settings))
+    if "error" in timing:
+        for key in sides:
+            row[key] = {"error": timing["error"]}
+        return row
+    measured = {}
+    for key, side in sides.items():
+        m = _run_guarded(lambda: measure_side(side, timing["counters"][key], settings))
+        measured[key] = m
+    per_rank = _gather({"timing": timing, "measured": measured})
+    for key, side in sides.items():
+        steps = list(zip(*[r["timing"]["times"][key] for r in per_rank]))
+        slowest = [max(s) for s in steps]
+        q = statistics.quantiles(slowest, n=4) if len(slowest) >= 2 else [slowest[0]] * 3
+        row[key] = {
+            "label": side.label,
+            "median_s": statistics.median(slowest),
+            "iqr_s": q[2] - q[0],
+            "times_s": slowest,
+            "losses": per_rank[0]["timing"]["losses"][key][:3],
+            "ranks": [r["measured"][key] for r in per_rank],
+            **side.extra,
+        }
+    if len(sides) == 2:
+        row["ratio"] = row["a"]["median_s"] / row["b"]["median_s"]
+        ra = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["a"] for r in per_rank])]
+        rb = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["b"] for r in per_rank])]
+        row["round_ratios"] = [x / y for x, y in zip(ra, rb)]
+    return row
+
+
+def _run_guarded(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.2f}"
+
+
+def summarize(row: dict) -> dict:
+    """One flat line of a row for the table: times, ratio, bytes vs theory, memory vs formula."""
+    a, b, th = row.get("a", {}), row.get("b", {}), row.get("theory", {})
+    out = {"name": row["name"], "a": a.get("label", "error"), "b": b.get("label", "error")}
+    out["a_ms"] = a["median_s"] * 1e3 if "median_s" in a else None
+    out["b_ms"] = b["median_s"] * 1e3 if "median_s" in b else None
+    out["ratio"] = row.get("ratio")
+    rr = row.get("round_ratios") or []
+    out["ratio_spread"] = (min(rr), max(rr)) if rr else None
+    ranks = a.get("ranks") or []
+    if ranks and "comm" in ranks[0]:
+        out["a_bytes"] = ranks[0]["comm"]["bytes"]
+        out["a_calls"] = ranks[0]["comm"]["calls"]
+        out["a_backend_calls"] = ranks[0]["backend"]["calls"]
+    branks = b.get("ranks") or []
+    if branks and "comm" in branks[0]:
+        out["b_bytes"] = branks[0]["comm"]["bytes"]
+        out["b_calls"] = branks[0]["comm"]["calls"]
+    out["theory_bytes"] = th.get("bytes_rank0")
+    if out.get("a_bytes") is not None and out["theory_bytes"] is not None:
+        out["bytes_over_theory"] = out["a_bytes"] / out["theory_bytes"] if out["theory_bytes"] else float(out["a_bytes"] == 0)
+    if ranks and "state_bytes" in ranks[0]:
+        out["a_state"] = ranks[0]["state_bytes"]["total"]
+    if branks and "state_bytes" in branks[0]:
+        out["b_state"] = branks[0]["state_bytes"]["total"]
+    out["formula_state"] = th.get("state_formula")
+    out["plan_state"] = th.get("state_plan")
+    if out.get("a_state") and out.get("formula_state"):
+        out["state_over_formula"] = out["a_state"] / out["formula_state"]
+    for key, side in (("a", ranks), ("b", branks)):
+        mem = side[0].get("memory", {}) if side else {}
+        out[f"{key}_act"] = mem.get("activation")
+        out[f"{key}_peak"] = mem.get("peak_total")
+    out["errors"] = {k: row[k]["error"] for k in ("a", "b") if "error" in row.get(k, {})}
+    return out
+
+
+def print_table(rows: list[dict], title: str = "") -> str:
+    """The one table: per comparison, median step times, ratio (with its per-round spread), bytes
+    per step counted against theory, and rank 0's model-state and activation memory."""
+    lines = []
+    if title:
+        lines.append(title)
+    head = (f"{'comparison':<26} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'spread':>11} "
+            f"{'bytes/step MB':>13} {'theory MB':>9} {'b/th':>5} {'calls':>5} {'tcalls':>6} "
+            f"{'state MB':>8} {'formula':>8} {'s/f':>6} {'torch st':>8} {'act MB':>6} {'t act':>6} {'peak MB':>7} {'t peak':>6}")
+    lines.append(head)
+    lines.append("-" * len(head))
+    for row in rows:
+        s = summarize(row)
+        sp = s["ratio_spread"]
+        lines.append(
+            f"{s['name']:<26} {_f(s['a_ms'], 11, 1)} {_f(s['b_ms'], 9, 1)} {_f(s['ratio'], 6, 2)} "
+            f"{(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} {_mb(s.get('a_bytes')):>13} {_mb(s.get('theory_bytes')):>9} "
+            f"{_f(s.get('bytes_over_theory'), 5, 3)} {_i(s.get('a_calls'), 5)} {_i(s.get('b_calls'), 6)} "
+            f"{_mb(s.get('a_state')):>8} {_mb(s.get('formula_state')):>8} {_f(s.get('state_over_formula'), 6, 4)} "
+            f"{_mb(s.get('b_state')):>8} {_mb(s.get('a_act')):>6} {_mb(s.get('b_act')):>6} {_mb(s.get('a_peak')):>7} {_mb(s.get('b_peak')):>6}")
+        for k, msg in s["errors"].items():
+            lines.append(f"    {'shardlib' if k == 'a' else 'torch'} side failed: {msg.splitlines()[0][:200]}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def _f(x, w, d) -> str:
+    return f"{'-':>{w}}" if x is None else f"{x:>{w}.{d}f}"
+
+
+def _i(x, w) -> str:
+    return f"{'-':>{w}}" if x is None else f"{x:>{w}d}"
+
+
+def write_outputs(name: str, result: dict, out_dir: str) -> dict[str, str]:
+    """Write ``<out_dir>/<name>.json`` and the plots ``<name>_time.png`` (median step time per
+    comparison with the interquartile range) and ``<name>_bytes.png`` (bytes counted vs theory)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, f"{name}.json")}
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=1, default=_json_default)
+    try:
+        paths.update(_plots(name, result["rows"], out_dir))
+    except Exception as exc:  # noqa: BLE001 - a plot failing must not lose the numbers
+        paths["plot_error"] = f"{type(exc).__name__}: {exc}"
+    return paths
+
+
+def _json_default(o):
+    if isinstance(o, Fraction):
+        return float(o)
+    if isinstance(o, torch.Tensor):
+        return o.tolist()
+    if hasattr(o, "__dataclass_fields__"):
+        return asdict(o)
+    return str(o)
+
+
+def _plots(name: str, rows: list[dict], out_dir: str) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    labels = [r["name"] for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows)), 3.6))
+    for off, key, color in ((-0.2, "a", "tab:blue"), (0.2, "b", "tab:orange")):
+        med = [r[key]["median_s"] * 1e3 if "median_s" in r.get(key, {}) else 0 for r in rows]
+        err = [r[key]["iqr_s"] * 1e3 / 2 if "iqr_s" in r.get(key, {}) else 0 for r in rows]
+        ax.bar([x + off for x in xs], med, 0.4, yerr=err, color=color, label="shardlib" if key == "a" else "PyTorch")
+    for x, r in zip(xs, rows):
+        if r.get("ratio"):
+            top = max(r["a"]["median_s"], r["b"]["median_s"]) * 1e3
+            ax.text(x, top * 1.02, f"{r['ratio']:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{name}: shardlib vs PyTorch (ratio above bars)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths["time_png"] = os.path.join(out_dir, f"{name}_time.png")
+    fig.savefig(paths["time_png"], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows)), 3.6))
+    counted = [summarize(r).get("a_bytes") or 0 for r in rows]
+    torch_b = [summarize(r).get("b_bytes") or 0 for r in rows]
+    theory = [r.get("theory", {}).get("bytes_rank0") or 0 for r in rows]
+    ax.bar([x - 0.27 for x in xs], [c / 2**20 for c in counted], 0.27, label="shardlib counted")
+    ax.bar(list(xs), [t / 2**20 for t in theory], 0.27, label="theory")
+    ax.bar([x + 0.27 for x in xs], [c / 2**20 for c in torch_b], 0.27, label="PyTorch (dispatcher)")
+    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per rank per step")
+    ax.set_title(f"{name}: logical bytes communicated per step (rank 0)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths["bytes_png"] = os.path.join(out_dir, f"{name}_bytes.png")
+    fig.savefig(paths["bytes_png"], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+_GROUP = {}
+
+
+def worker_group(n: int = 2):
+    """A cached :class:`~shardlib.mesh.launch.WorkerGroup` of ``n`` gloo ranks (spawned once)."""
+    from shardlib.mesh.launch import WorkerGroup
+
+    g = _GROUP.get(n)
+    if g is None or not g.alive:
+        g = WorkerGroup(n, timeout=600.0)
+        _GROUP[n] = g
+    return g
+
+
+def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str | None, nprocs: int = 2, **kwargs) -> dict:
+    """Run ``worker(settings, **kwargs) -> list of rows`` on ``nprocs`` ranks, print the table,
+    and write the JSON and plots; returns ``{"benchmark", "settings", "rows", "files"}``."""
+    t0 = time.perf_counter()
+    rows = worker_group(nprocs).run(worker, settings, **kwargs)[0]
+    result = {"benchmark": name, "settings": asdict(settings), "world_size": nprocs, "torch": torch.__version__,
+              "wall_s": time.perf_counter() - t0, "rows": rows}
+    result["table"] = print_table(rows, f"== {name} ({settings.size} GPT, world size {nprocs}, gloo, "
+                                        f"{settings.steps} steps/side, wall {result['wall_s']:.0f} s)")
+    if out_dir:
+        result["files"] = write_outputs(name, result, out_dir)
+    return result

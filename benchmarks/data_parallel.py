@@ -1,0 +1,121 @@
+"""Data parallelism: shardlib ZeRO stages against PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2.
+
+Pairs (world size 2, gloo, the reference GPT, AdamW):
+
+==============  ==================================================================  =============
+shardlib        PyTorch                                                             theory bytes
+==============  ==================================================================  =============
+zero_stage 0    ``DistributedDataParallel`` (defaults: 25 MB buckets)               2Ψ(N-1)/N
+zero_stage 1    DDP + ``ZeroRedundancyOptimizer`` (all-reduce, then broadcasts)     2Ψ(N-1)/N
+zero_stage 2    FSDP2 ``fully_shard(reshard_after_forward=False)`` per block+root   2Ψ(N-1)/N
+zero_stage 3    FSDP2 ``fully_shard`` per block + root (ZeRO-3)                     3Ψ(N-1)/N
+==============  ==================================================================  =============
+
+Ψ is the padded trainable payload in bytes (padding: under ``N - 1`` elements per chunk).
+Model state per rank is compared with the plan and with ZeRO's formula (section 5.1; fp32,
+AdamW's two states: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N).
+
+    python -m benchmarks.data_parallel --quick      # 0.4M-parameter GPT
+    python -m benchmarks.data_parallel              # 10.8M-parameter GPT
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
+    torch_state_bytes, zero_comm_theory, zero_state_formula
+
+CASES = ("zero0_vs_ddp", "zero1_vs_zero_redundancy", "zero2_vs_fsdp2_noreshard", "zero3_vs_fsdp2")
+
+
+def _train_step(model, opt, data):
+    def step(i):
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def shardlib_side(settings: Settings, mesh, stage: int, data, **options) -> Side:
+    import shardlib
+
+    smodel = shardlib.shard(make_gpt(settings), mesh, zero_stage=stage, **options)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
+    return Side(f"shardlib zero-{stage}", _train_step(smodel, opt, data), [smodel], [opt.optimizer],
+                lambda: shardlib.model_state_bytes(smodel, opt), mesh,
+                {"plan_bytes": sum(b for _, b in smodel.plan.comm_per_step().values()),
+                 "plan_state": smodel.plan.model_state_bytes})
+
+
+def torch_side(settings: Settings, kind: str, data) -> Side:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_gpt(settings)
+    if kind == "ddp":
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=settings.lr)
+        return Side("DDP", _train_step(ddp, opt, data), [ddp], [opt], lambda: torch_state_bytes(ddp, opt))
+    if kind == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DDP(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=settings.lr)
+        return Side("DDP+ZeroRedundancyOpt", _train_step(ddp, opt, data), [ddp], [opt.optim], lambda: torch_state_bytes(ddp, opt))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dm = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reshard = kind == "fsdp2"
+    for block in model.blocks:
+        fully_shard(block, mesh=dm, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dm, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    label = "FSDP2" if reshard else "FSDP2 no-reshard"
+    return Side(label, _train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
+
+
+def worker(settings: Settings, cases=CASES) -> list[dict]:
+    import shardlib
+
+    mesh = shardlib.init_mesh({"dp": 2})
+    n, rank = mesh.size("dp"), mesh.index("dp")
+    b = settings.batch
+    data = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
+            for x, y in batches(settings, b * n, settings.warmup + settings.steps + 4)]
+    psi = make_gpt(settings).num_params()
+    rows = []
+    for case in cases:
+        stage = int(case[4])
+        baseline = case.split("_vs_")[1]
+        probe_plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=stage)
+        payload = sum(c.padded_numel * c.element_size for c in probe_plan.chunks if c.requires_grad)
+        theory = {
+            "bytes_rank0": zero_comm_theory(stage, payload, n),
+            "bytes_formula": f"{3 if stage == 3 else 2} * psi * (N-1)/N, psi = {payload} padded bytes ({psi} parameters)",
+            "state_formula": zero_state_formula(stage, psi, n),
+            "state_plan": probe_plan.model_state_bytes,
+            "params": psi,
+        }
+        rows.append(compare(case, lambda: shardlib_side(settings, mesh, stage, data),
+                            lambda: torch_side(settings, baseline, data), settings, theory))
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    args = p.parse_args(argv)
+    return run_benchmark("data_parallel", worker, settings_from_args(args), args.out, cases=tuple(args.cases))
+
+
+if __name__ == "__main__":
+    main()
