@@ -1,0 +1,573 @@
+"""Sharded checkpoints with resharding, on ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes only the elements it owns, as boxes (rectangular blocks) of the *global*
+tensors under the original parameter names; DCP records every box in its metadata, and a load
+on any mesh and plan reads, for each box the new rank holds, the overlapping parts of the saved
+boxes. So a checkpoint from ``dp=2, tp=2`` loads into ``dp=3`` or ``pp=2, dp=2``.
+
+Layout. Under ZeRO (arXiv 1910.02054) a rank owns a contiguous range of each flat chunk, i.e. for
+each parameter a contiguous range of its row-major, tensor-parallel local tensor; that local
+tensor is a ``torch.chunk`` block of the global one (``k`` blocks for fused weights). A
+contiguous range of a row-major N-d block is at most ``2N - 1`` boxes, each contiguous in memory
+(:func:`_range_boxes`), which map to global coordinates by the tensor-parallel offset. Copies
+held by several ranks (data replicas at stage 0, parameters replicated over ``tp``) give equal
+boxes, which DCP's save planner writes once; the second copy of a parameter tied across pipeline
+stages is left out. DCP's global-plan validation then checks that the boxes of every tensor
+neither overlap nor leave holes. Optimizer state (per-element tensors such as AdamW's
+``exp_avg``) is saved per original parameter with the same boxes, so it reshards too.
+
+Files. ``save`` writes into ``<path>.partial``, then rank 0 adds ``shardlib_checkpoint.json``
+and renames the folder to ``<path>`` after every rank finished: a process killed mid-save leaves
+the previous checkpoint untouched, and a folder without the json is refused by :func:`load`.
+
+Keys: ``model.<name>`` (parameters and persistent buffers), ``optim.<name>.<state>``,
+``optim.param_groups``, ``dropout.<module path>`` (counters of the mesh-independent dropout),
+``rng.<rank>`` (torch CPU/CUDA generator states), ``extra`` (the caller's dict, from rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
+
+from .errors import ShardingError
+from .random import MeshDropout
+from .shard import ShardedModule, full_state_dict
+from .spec import shard_range
+
+__all__ = ["save", "load", "export_safetensors", "latest", "CheckpointError", "MARKER"]
+
+FORMAT_VERSION = 1
+MARKER = "shardlib_checkpoint.json"  # written last: its presence means the save finished
+_PARTIAL = ".partial"
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint that cannot be loaded here: missing, unfinished, or not matching the model.
+
+    Raised on every rank before any communication (each rank reads the same files)."""
+
+
+# -- layout: flat ranges of tensor-parallel blocks as boxes of the global tensor ---------------
+
+def _range_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """The flat range ``[a, b)`` of a row-major tensor of ``shape`` as boxes.
+
+    Returns ``[(flat start, offsets, sizes)]``; each box is contiguous in the flat order, the boxes
+    are disjoint, in order, and cover the range (at most ``2 * len(shape) - 1`` of them).
+
+    Example:
+        >>> _range_boxes((3, 4), 2, 11)
+        [(2, (0, 2), (1, 2)), (4, (1, 0), (1, 4)), (8, (2, 0), (1, 3))]
+    """
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [(a, (a,) * len(shape), (b - a,) * len(shape))]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(a, inner), divmod(b, inner)
+
+    def row(r, lo, hi):
+        return [(r * inner + s, (r,) + o, (1,) + z) for s, o, z in _range_boxes(shape[1:], lo, hi)]
+
+    if r0 == r1:
+        return row(r0, c0, c1)
+    out = []
+    if c0:
+        out += row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append((r0 * inner, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])))
+    if c1:
+        out += row(r1, 0, c1)
+    return out
+
+
+def _global_pieces(smodel: ShardedModule, pp, a: int, b: int, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """Elements ``[a, b)`` of ``pp``'s local tensor (held in the 1-D ``flat``) as
+    ``[(global offsets, view)]``: views into ``flat`` shaped as boxes of the global tensor."""
+    plan = smodel.plan
+    shape = plan.local_shape(pp)
+    out = []
+    for start, offs, sizes in _range_boxes(shape, a, b):
+        view = flat[start - a : start - a + math.prod(sizes)].view(sizes)
+        if pp.tp_axis is None:
+            out.append((offs, view))
+            continue
+        d = pp.tp_dim
+        block = pp.global_shape[d] // pp.tp_fused  # fused weights: k blocks, each split over tp
+        lo, hi = shard_range(block, dict(plan.mesh_shape)[pp.tp_axis], plan.coords()[pp.tp_axis])
+        w = hi - lo
+        p, end = offs[d], offs[d] + sizes[d]
+        while p < end:  # split at the local block boundaries; each piece is one global box
+            q = min(end, (p // w + 1) * w)
+            g = list(offs)
+            g[d] = (p // w) * block + lo + p % w
+            out.append((tuple(g), view.narrow(d, p - offs[d], q - p)))
+            p = q
+    return out
+
+
+def _owned(zero, chunk, off: int, n: int) -> tuple[int, int]:
+    """The range of a parameter's local elements ``[0, n)`` in this rank's ZeRO slot."""
+    if zero.stage == 0:
+        return 0, n
+    a = min(max(chunk.slot.start - off, 0), n)
+    return a, max(a, min(max(chunk.slot.stop - off, 0), n))
+
+
+def _param_regions(smodel: ShardedModule, pp):
+    """``(held, saved)`` of ``pp`` on this rank, each ``(a, b, flat)``: the local elements this
+    rank keeps (loads into) and the ones it writes, with a 1-D tensor holding them."""
+    zero = smodel._zero
+    c, off = smodel.plan.placement[pp.name]
+    chunk = zero.chunks[c]
+    n = math.prod(smodel.plan.local_shape(pp))
+    a, b = _owned(zero, chunk, off, n)
+    if zero.stage == 3:
+        s = chunk.slot.start
+        region = (a, b, chunk.shard[a + off - s : b + off - s])
+        return region, region
+    return (0, n, chunk.full[off : off + n]), (a, b, chunk.full[off + a : off + b])
+
+
+def _state_region(smodel: ShardedModule, pp, state: torch.Tensor):
+    """``(a, b, flat)``: the part of a per-element optimizer state tensor (shaped as the
+    optimizer's flat parameter) that belongs to ``pp``."""
+    zero = smodel._zero
+    c, off = smodel.plan.placement[pp.name]
+    chunk = zero.chunks[c]
+    n = math.prod(smodel.plan.local_shape(pp))
+    a, b = _owned(zero, chunk, off, n)
+    lo = chunk.slot.start if zero.stage >= 1 else 0
+    return a, b, state[a + off - lo : b + off - lo]
+
+
+def _canonical(smodel: ShardedModule) -> dict[int, str]:
+    """``{id(param): name in the whole model}`` for parameters a pipeline stage holds under a
+    tied alias (``lm_head.weight`` on the last stage is ``wte.weight``)."""
+    runner = getattr(smodel, "runner", None)
+    return {id(prm): name for name, prm, _, _ in getattr(runner, "tied", ()) if prm is not None}
+
+
+def _entries(smodel: ShardedModule):
+    """``[(pp, key name, param, skip)]``: ``skip`` marks a second copy of a parameter tied across
+    pipeline stages (written by the stage that holds the first copy)."""
+    canonical = _canonical(smodel)
+    duplicates = {id(p) for p in getattr(smodel, "norm_duplicates", [])}
+    out = []
+    for pp in smodel.plan.params:
+        prm = smodel.module.get_parameter(pp.name)
+        out.append((pp, canonical.get(id(prm), pp.name), prm, id(prm) in duplicates))
+    return out
+
+
+class _Boxes:
+    """Boxes of one global tensor held by this rank: ``pieces`` ``[(global offsets, view)]``."""
+
+    def __init__(self, size: tuple[int, ...], dtype: torch.dtype, pieces: list):
+        self.size, self.dtype, self.pieces = torch.Size(size), dtype, pieces
+        self.by_offset = {tuple(o): t for o, t in pieces}
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in self.pieces]
+
+    def find(self, index: MetadataIndex) -> torch.Tensor:
+        return self.by_offset[tuple(index.offset)]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default planner (deduplication of equal boxes, global-plan validation) over
+    :class:`_Boxes` values: one write item per box."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            if isinstance(obj, _Boxes):
+                props = TensorProperties(dtype=obj.dtype)
+                items += [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                                    tensor_data=TensorWriteData(chunk=c, properties=props, size=obj.size))
+                          for c in obj.chunks()]
+            else:
+                items += _create_write_items(fqn, obj)
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.find(index) if isinstance(obj, _Boxes) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads, for every :class:`_Boxes` box, the overlapping parts of the saved boxes (DCP's
+    resharding); bytes items land in ``self.loaded``."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.loaded: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # not DefaultLoadPlanner's: its state-dict walk would replace _Boxes values by None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            if isinstance(obj, _Boxes):
+                items += create_read_items_for_chunk_list(fqn, md, obj.chunks())
+            else:
+                items += _create_read_items(fqn, md, obj)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.find(index) if isinstance(obj, _Boxes) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+
+# -- what a rank writes and reads ------------------------------------------------------------------
+
+def _inner(optimizer):
+    if optimizer is None:
+        return None
+    from .optim import ZeroOptimizer
+
+    if not isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(f"checkpoint: optimizer must be the shardlib.ZeroOptimizer of the module, got {type(optimizer).__name__}")
+    return optimizer.optimizer
+
+
+def _per_element(state: Any, opt_param: torch.Tensor) -> bool:
+    return isinstance(state, torch.Tensor) and state.dim() > 0 and state.shape == opt_param.shape
+
+
+def _dropouts(smodel: ShardedModule) -> dict[str, MeshDropout]:
+    return {path: m for path, m in smodel.module.named_modules() if isinstance(m, MeshDropout)}
+
+
+def _persistent_buffers(smodel: ShardedModule) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, buf in smodel.module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in smodel.module.get_submodule(owner)._non_persistent_buffers_set:
+            out[name] = buf
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[str, Any]:
+    zero, inner = smodel._zero, _inner(optimizer)
+    sd: dict[str, Any] = {}
+    for pp, name, prm, skip in _entries(smodel):
+        if skip:
+            continue
+        _, (a, b, flat) = _param_regions(smodel, pp)
+        sd[f"model.{name}"] = _Boxes(pp.global_shape, pp.dtype, _global_pieces(smodel, pp, a, b, flat))
+        chunk = zero.param_chunk[id(prm)]
+        if inner is None or not chunk.trainable:
+            continue
+        for key, state in inner.state.get(chunk.opt_param, {}).items():
+            if _per_element(state, chunk.opt_param):
+                a, b, flat = _state_region(smodel, pp, state)
+                sd[f"optim.{name}.{key}"] = _Boxes(pp.global_shape, state.dtype, _global_pieces(smodel, pp, a, b, flat))
+            elif isinstance(state, torch.Tensor) and state.dim() == 0:
+                sd[f"optim.{name}.{key}"] = state.detach().clone()
+            else:
+                raise CheckpointError(
+                    f"checkpoint.save: optimizer state {key!r} of {name} has shape "
+                    f"{tuple(getattr(state, 'shape', ()))}, neither per element {tuple(chunk.opt_param.shape)} nor a "
+                    f"scalar; only elementwise optimizers (AdamW, Adam, SGD) are supported")
+    for name, buf in _persistent_buffers(smodel).items():
+        sd[f"model.{name}"] = buf.detach()
+    if inner is not None:
+        sd["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    for path, drop in _dropouts(smodel).items():
+        sd[f"dropout.{path}"] = drop.calls
+    sd[f"rng.{dist.get_rank()}"] = _rng_state()
+    if dist.get_rank() == 0:
+        sd["extra"] = dict(extra or {})
+    return sd
+
+
+# -- public API --------------------------------------------------------------------------------
+
+def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, extra: dict | None = None) -> str:
+    """Write a sharded checkpoint of ``smodel`` (and ``optimizer``) to the folder ``path``.
+
+    Collective: call on every rank with the same ``path`` (on a file system every rank sees).
+    Each rank writes the parameter and optimizer-state elements it owns (its ZeRO shard of its
+    tensor-parallel block; replicas are written once) as boxes of the global tensors under the
+    original names, through DCP (``torch.distributed.checkpoint``). Also saved: persistent
+    buffers, optimizer hyperparameters, the counters of the mesh-independent dropout, each rank's
+    torch RNG states, and ``extra``.
+
+    Atomic: written to ``<path>.partial``, renamed to ``path`` (replacing an older checkpoint
+    there) after every rank finished; a save killed midway leaves ``path`` as it was.
+
+    Args:
+        path: the checkpoint folder.
+        smodel: a module from :func:`shardlib.shard` (pipelines included).
+        optimizer: its :class:`~shardlib.ZeroOptimizer` (per-element state such as AdamW's
+            ``exp_avg`` ``(global shape)`` and scalar state such as ``step``), or None.
+        extra: picklable values to restore with :func:`load` (step, data position, ...); rank
+            0's dict is the one saved.
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
+        CheckpointError: an optimizer state that is not per element or scalar.
+
+    Example:
+        >>> import shardlib, tempfile
+        >>> mesh = shardlib.init_mesh({"dp": 1})
+        >>> smodel = shardlib.shard(torch.nn.Linear(4, 2), mesh)
+        >>> d = tempfile.mkdtemp()
+        >>> shardlib.checkpoint.save(f"{d}/step_1", smodel, extra={"step": 1})  # doctest: +ELLIPSIS
+        '.../step_1'
+        >>> shardlib.checkpoint.load(f"{d}/step_1", smodel)["step"]
+        1
+    """
+    if not isinstance(smodel, ShardedModule):
+        raise TypeError(f"checkpoint.save() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    tmp = path + _PARTIAL
+    sd = _save_state(smodel, optimizer, extra)  # checks first: nothing written yet
+    rank = dist.get_rank()
+    if rank == 0:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # an earlier save that did not finish
+        os.makedirs(tmp)
+    dist.barrier()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner())
+    error = [None]
+    if rank == 0:
+        try:
+            info = dict(format=FORMAT_VERSION, world_size=dist.get_world_size(), mesh=dict(smodel.mesh.shape),
+                        zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None, time=time.time())
+            with open(os.path.join(tmp, MARKER + ".tmp"), "w") as f:
+                json.dump(info, f, indent=1)
+            os.replace(os.path.join(tmp, MARKER + ".tmp"), os.path.join(tmp, MARKER))
+            old = path + ".old"
+            if os.path.exists(path):
+                if os.path.exists(old):
+                    shutil.rmtree(old)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            error = [f"{type(exc).__name__}: {exc}"]
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(f"checkpoint.save({path!r}): rank 0 could not finish the checkpoint: {error[0]}")
+    return path
+
+
+def _check_complete(path: str) -> dict:
+    if not os.path.isdir(path):
+        if os.path.isdir(path + _PARTIAL):
+            raise CheckpointError(
+                f"checkpoint {path!r} does not exist; {path + _PARTIAL!r} is a save that did not finish (killed or "
+                f"failed before every rank was done). Load an earlier checkpoint")
+        raise CheckpointError(f"checkpoint {path!r} does not exist (no such folder)")
+    missing = [f for f in (MARKER, ".metadata") if not os.path.exists(os.path.join(path, f))]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} is incomplete: it has no {' and no '.join(missing)} (written last, after every rank "
+            f"finished), so the save that made it did not finish. Load an earlier checkpoint")
+    with open(os.path.join(path, MARKER)) as f:
+        info = json.load(f)
+    if info.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path!r} has format {info.get('format')}, this shardlib reads {FORMAT_VERSION}")
+    return info
+
+
+def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) -> dict:
+    """Load a checkpoint written by :func:`save` into ``smodel`` (and ``optimizer``), resharding.
+
+    Collective: call on every rank. The mesh and plan may differ from the saving run's: another
+    world size, another data/tensor/pipeline split, uneven or empty shards, another ZeRO stage or
+    chunk size. Each rank reads the parts of the saved boxes that overlap the elements it holds.
+    Also restored: persistent buffers, optimizer hyperparameters (``lr`` included), the
+    mesh-independent dropout counters, and, when the world size is the saving one, each rank's
+    torch RNG states (another world size leaves them as they are).
+
+    Args:
+        path: a checkpoint folder written by :func:`save`.
+        smodel: a module from :func:`shardlib.shard` with the same parameter names and global
+            shapes as the saved one.
+        optimizer: its :class:`~shardlib.ZeroOptimizer`; its state is replaced by the saved one.
+
+    Returns:
+        The ``extra`` dict given to :func:`save` (``{}`` if none).
+
+    Raises:
+        CheckpointError: on every rank before any communication: ``path`` missing or a save that
+            did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a parameter or
+            buffer missing from the checkpoint or of another global shape; ``optimizer`` given
+            but the checkpoint has no optimizer state.
+        TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
+    """
+    if not isinstance(smodel, ShardedModule):
+        raise TypeError(f"checkpoint.load() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    inner = _inner(optimizer)
+    info = _check_complete(path)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    if inner is not None and not info.get("optimizer"):
+        raise CheckpointError(f"checkpoint {path!r} was saved without optimizer state; call load() without optimizer")
+    zero = smodel._zero
+    sd: dict[str, Any] = {}
+    problems: list[str] = []
+    states: list[tuple[torch.Tensor, str, Any]] = []  # (opt_param, state key, tensor)
+    new_state: dict[int, dict] = {}
+    for pp, name, prm, _ in _entries(smodel):
+        key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
+        if key is None:
+            problems.append(f"parameter {pp.name} {pp.global_shape} is not in the checkpoint")
+            continue
+        md = saved[f"model.{key}"]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != pp.global_shape:
+            problems.append(f"parameter {pp.name}: shape {pp.global_shape} here, {tuple(getattr(md, 'size', ()))} in the checkpoint")
+            continue
+        (a, b, flat), _ = _param_regions(smodel, pp)
+        sd[f"model.{key}"] = _Boxes(pp.global_shape, pp.dtype, _global_pieces(smodel, pp, a, b, flat))
+        chunk = zero.param_chunk[id(prm)]
+        if inner is None or not chunk.trainable:
+            continue
+        prefix = f"optim.{key}."
+        keys = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
+        fresh = new_state.setdefault(id(chunk.opt_param), {})
+        for skey in keys:
+            md = saved[prefix + skey]
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            if tuple(md.size) == pp.global_shape and len(md.size) > 0:
+                if skey not in fresh:
+                    fresh[skey] = torch.zeros_like(chunk.opt_param, dtype=md.properties.dtype)
+                a, b, flat = _state_region(smodel, pp, fresh[skey])
+                sd[prefix + skey] = _Boxes(pp.global_shape, md.properties.dtype, _global_pieces(smodel, pp, a, b, flat))
+            elif len(md.size) == 0:
+                if skey not in fresh:
+                    fresh[skey] = torch.zeros((), dtype=md.properties.dtype)
+                    sd[prefix + skey] = fresh[skey]
+            else:
+                problems.append(f"optimizer state {skey!r} of {pp.name}: shape {tuple(md.size)} in the checkpoint")
+        states.append((chunk.opt_param, prefix, fresh))
+    for name, buf in _persistent_buffers(smodel).items():
+        md = saved.get(f"model.{name}")
+        if md is None:
+            problems.append(f"buffer {name} is not in the checkpoint")
+        elif tuple(md.size) != tuple(buf.shape):
+            problems.append(f"buffer {name}: shape {tuple(buf.shape)} here, {tuple(md.size)} in the checkpoint")
+        else:
+            sd[f"model.{name}"] = buf
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(f"checkpoint {path!r} does not fit {type(smodel.module).__name__}: {shown}")
+    wanted = ["extra"] + [f"dropout.{p}" for p in _dropouts(smodel)]
+    if inner is not None:
+        wanted.append("optim.param_groups")
+    if info.get("world_size") == dist.get_world_size():
+        wanted.append(f"rng.{dist.get_rank()}")
+    for key in wanted:
+        if key in saved:
+            sd[key] = None
+    planner = _LoadPlanner()
+    dcp.load(sd, storage_reader=reader, planner=planner)
+    got = planner.loaded
+    for path_, drop in _dropouts(smodel).items():
+        drop.calls = got.get(f"dropout.{path_}", drop.calls)
+    if inner is not None:
+        inner.state.clear()
+        for opt_param, _, fresh in states:
+            if fresh:
+                inner.state[opt_param] = fresh
+        for group in inner.param_groups:
+            group.update(got.get("optim.param_groups", [{}])[0])
+    rng = got.get(f"rng.{dist.get_rank()}")
+    if rng is not None:
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return dict(got.get("extra") or {})
+
+
+def latest(folder: str | os.PathLike) -> str | None:
+    """The newest finished checkpoint under ``folder`` (by the time in its
+    ``shardlib_checkpoint.json``), or None; unfinished ``*.partial`` folders are ignored."""
+    best, best_time = None, -math.inf
+    if not os.path.isdir(folder):
+        return None
+    for entry in os.listdir(folder):
+        marker = os.path.join(folder, entry, MARKER)
+        if entry.endswith(_PARTIAL) or not os.path.exists(marker):
+            continue
+        with open(marker) as f:
+            t = json.load(f).get("time", 0)
+        if t > best_time:
+            best, best_time = os.path.join(folder, entry), t
+    return best
+
+
+def export_safetensors(path: str | os.PathLike, smodel: ShardedModule) -> str | None:
+    """Write the full state dict of ``smodel`` to one ``.safetensors`` file (on rank 0).
+
+    Collective (it gathers the shards: call on every rank). Tensors have their global shapes and
+    the original names, as ``model.state_dict()`` of the unsharded model: tied names each get
+    their own copy (safetensors stores no shared tensors), so ``model.load_state_dict(
+    safetensors.torch.load_file(path))`` works for the reference GPT and for Hugging Face models
+    sharded with the presets.
+
+    Returns:
+        ``path`` on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    state = full_state_dict(smodel, rank0_only=True)
+    if dist.get_rank() != 0:
+        return None
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone().contiguous() if ptr in seen or not t.is_contiguous() else t
+        seen.add(ptr)
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(out, path + ".tmp", metadata={"format": "pt"})
+    os.replace(path + ".tmp", path)
+    return path
