@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import kernels
 from .mesh.collectives import raw_all_reduce
 from .shard import ShardedModule
 
@@ -84,6 +85,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``last_grad_norm``).
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``weight_decay=...``).
 
+    With ``torch.optim.AdamW`` on CUDA (triton installed, :mod:`shardlib.kernels` enabled) the
+    inner optimizer is :class:`shardlib.kernels.FusedAdamW`: the same update, state and
+    ``state_dict``, one fused kernel launch per flat shard.
+
     ``param_groups`` and ``state`` are the inner optimizer's, so learning-rate schedulers work
     on this object. ``state_dict()`` holds this rank's shards (resharding checkpoints:
     :mod:`shardlib.checkpoint`).
@@ -109,6 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"ZeroOptimizer: the sharded {type(smodel.module).__name__} has no trainable parameters on this rank "
                 "(all frozen, or none): there is nothing to optimize"
             )
+        if optimizer_cls is torch.optim.AdamW and kernels.use_triton(*self._zero.optimizer_params()):
+            optimizer_cls = kernels.FusedAdamW  # CUDA: one fused launch per shard, torch's state and state_dict
         self.optimizer = optimizer_cls(self._zero.optimizer_params(), **optimizer_kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None

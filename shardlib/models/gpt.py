@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import kernels
 from ..spec import P, PartitionSpec
 
 __all__ = ["GPTConfig", "GPT", "tp_specs"]
@@ -68,6 +69,17 @@ class GPTConfig:
                 f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 "choose n_embd a multiple of n_head"
             )
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and state dict) that runs :func:`shardlib.kernels.layer_norm`
+    (Triton, fp32 statistics) on CUDA when kernels are enabled; elsewhere exactly ``nn.LayerNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x ``(..., C)``. Returns ``(..., C)``."""
+        if kernels.use_triton(x):
+            return kernels.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,9 +136,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +176,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             # weight tying (Press & Wolf 2017; GPT-2): one (V, C) tensor, two uses

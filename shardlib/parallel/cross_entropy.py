@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.cross_entropy import fused_ce_applies, fused_vocab_parallel_ce
 from ..mesh.collectives import raw_all_reduce
 from ..mesh.mesh import Mesh, current_mesh
 from ..spec import shard_range
@@ -92,6 +93,10 @@ def vocab_parallel_cross_entropy(
         A scalar for ``"mean"``/``"sum"``; ``(...)`` per target for ``"none"``. Float32 for
         half-precision logits, else the logits' dtype.
 
+    On CUDA with :mod:`shardlib.kernels` enabled, the statistics come from one fused read of
+    the logits and backward writes the gradient into the logits' own storage (do not read them
+    after backward; ``shardlib.kernels.use_kernels(False)`` restores this torch path).
+
     Raises:
         ValueError: bad ``reduction`` or ``label_smoothing``; local width not matching the layout.
     """
@@ -112,7 +117,11 @@ def vocab_parallel_cross_entropy(
             f"{mesh.index(axis)} of {axis!r} (size {n}) should hold vocabulary [{lo}, {hi}) of {vocab_size}"
         )
     flat = logits_local.reshape(target.numel(), logits_local.shape[-1])  # also for an empty vocabulary shard
-    loss = _VocabParallelCE.apply(flat, target.reshape(-1), mesh, axis, vocab_size, ignore_index, float(label_smoothing))
+    if fused_ce_applies(flat):  # CUDA + triton + kernels on: one read of the logits, gradient written in place
+        loss = fused_vocab_parallel_ce(flat, target.reshape(-1), mesh, axis, lo, hi, vocab_size, ignore_index,
+                                       float(label_smoothing))
+    else:
+        loss = _VocabParallelCE.apply(flat, target.reshape(-1), mesh, axis, vocab_size, ignore_index, float(label_smoothing))
     if reduction == "none":
         return loss.view(target.shape)
     total = loss.sum()

@@ -1,0 +1,199 @@
+"""Fused AdamW over one flat fp32 shard: one kernel launch per ZeRO chunk.
+
+The update is ``torch.optim.AdamW``'s (Loshchilov & Hutter, arXiv 1711.05101: weight decay
+decoupled from the gradient; Adam's bias correction, Kingma & Ba arXiv 1412.6980), element by
+element in the same order of operations as torch's single-tensor implementation, so the result
+agrees with ``torch.optim.AdamW`` to fp32 rounding::
+
+    param    *= 1 - lr * weight_decay
+    exp_avg  += (1 - beta1) * (grad - exp_avg)              # exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    param    -= lr / (1 - beta1**step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps)
+    param_copy = param.to(param_copy.dtype)                 # optional bf16/fp16 compute copy
+
+The Triton program reads param, grad, exp_avg and exp_avg_sq once and writes param, the two
+moments and the optional low-precision copy once (multi-tensor fused Adam as in NVIDIA Apex
+``FusedAdam`` / Megatron-LM's distributed optimizer, here over a flat buffer so no tensor list is
+needed). :class:`FusedAdamW` is a ``torch.optim.AdamW`` whose ``step`` uses it; its ``state``
+(``step``, ``exp_avg``, ``exp_avg_sq``) and ``state_dict`` are torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype
+
+from ._dispatch import HAS_TRITON, use_triton
+
+__all__ = ["adamw_", "adamw_reference_", "FusedAdamW"]
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, decay, one_minus_beta1, beta2, one_minus_beta2,
+                      neg_step_size, bc2_sqrt, eps, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * decay
+        m = m + one_minus_beta1 * (g - m)
+        v = v * beta2 + one_minus_beta2 * (g * g)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p + neg_step_size * (m / denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_COPY:
+            tl.store(c_ptr + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: float) -> tuple[float, float, float]:
+    """``(1 - lr*wd, lr / bias_correction1, sqrt(bias_correction2))`` in Python floats, as torch."""
+    step_size = lr / (1 - beta1 ** step)
+    return 1 - lr * weight_decay, step_size, (1 - beta2 ** step) ** 0.5
+
+
+def _check(param, grad, exp_avg, exp_avg_sq, param_copy) -> None:
+    if param.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise TypeError(
+            f"adamw_: param, exp_avg and exp_avg_sq must be float32 (master weights), got "
+            f"{param.dtype}, {exp_avg.dtype}, {exp_avg_sq.dtype}"
+        )
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("param_copy", param_copy)):
+        if t is not None and t.shape != param.shape:
+            raise ValueError(f"adamw_: {name} has shape {tuple(t.shape)}, param has {tuple(param.shape)}")
+
+
+def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     param_copy: Optional[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, step: float) -> None:
+    """The torch reference of :func:`adamw_`: ``torch.optim.AdamW``'s single-tensor update, in place."""
+    decay, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
+    grad = grad.float()
+    param.mul_(decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if param_copy is not None:
+        param_copy.copy_(param)
+
+
+@torch.library.custom_op("shardlib::adamw_", mutates_args=("param", "exp_avg", "exp_avg_sq", "param_copy"))
+def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           param_copy: Optional[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float,
+           weight_decay: float, step: float) -> None:
+    """One AdamW step on a flat shard, in place (Triton on CUDA, :func:`adamw_reference_` else).
+
+    Args:
+        param: float32 ``(n,)`` master weights (a flat ZeRO shard), updated in place.
+        grad: ``(n,)`` gradient, float32 or half precision (read as float32).
+        exp_avg: float32 ``(n,)`` first moment, updated in place.
+        exp_avg_sq: float32 ``(n,)`` second moment, updated in place.
+        param_copy: None, or a bf16/fp16/fp32 ``(n,)`` copy of ``param`` written in the same pass
+            (the compute copy of mixed-precision training).
+        lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW``.
+        step: the step count after this update (1 on the first step), for bias correction.
+
+    Raises:
+        TypeError: param or a moment not float32. ValueError: shapes differ.
+    """
+    _check(param, grad, exp_avg, exp_avg_sq, param_copy)
+    tensors = [param, grad, exp_avg, exp_avg_sq] + ([param_copy] if param_copy is not None else [])
+    if not use_triton(*tensors) or not all(t.is_contiguous() for t in tensors):
+        adamw_reference_(param, grad, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps, weight_decay, step)
+        return
+    n = param.numel()
+    if n == 0:
+        return
+    decay, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
+    block = 1024
+    _adamw_kernel[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, param_copy if param_copy is not None else param, n,
+        decay, 1 - beta1, beta2, 1 - beta2, -step_size, bc2_sqrt, eps,
+        HAS_COPY=param_copy is not None, BLOCK=block,
+    )
+
+
+@adamw_.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps, weight_decay, step) -> None:
+    _check(param, grad, exp_avg, exp_avg_sq, param_copy)
+    return None
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose ``step`` runs :func:`adamw_`: one launch per parameter tensor
+    (a whole flat chunk or its ZeRO shard), optionally writing a low-precision copy.
+
+    Same constructor, ``param_groups``, ``state`` keys (``step``, ``exp_avg``, ``exp_avg_sq``) and
+    ``state_dict`` as ``torch.optim.AdamW``, so checkpoints move between the two. Falls back to
+    ``torch.optim.AdamW.step`` where the kernel does not apply: kernels off or no triton, tensors
+    not on CUDA, a float ``lr`` that is a tensor, ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable``, non-float32 parameters or sparse gradients.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(4)); opt = FusedAdamW([w], lr=0.1, weight_decay=0.0)
+        >>> w.grad = torch.ones(4); opt.step(); w.detach()
+        tensor([0.9000, 0.9000, 0.9000, 0.9000])
+    """
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, **kwargs)
+        self._param_copies: dict[int, torch.Tensor] = {}
+
+    def set_param_copy(self, param: torch.Tensor, copy: Optional[torch.Tensor]) -> None:
+        """Write ``param``'s new value into ``copy`` (same shape; bf16/fp16 compute weights)
+        in the same kernel pass as the update; ``None`` stops it. Not part of ``state_dict``."""
+        if copy is None:
+            self._param_copies.pop(id(param), None)
+        elif copy.shape != param.shape:
+            raise ValueError(f"FusedAdamW.set_param_copy: copy has shape {tuple(copy.shape)}, param has {tuple(param.shape)}")
+        else:
+            self._param_copies[id(param)] = copy
+
+    def _fusable(self, group: dict) -> bool:
+        if group["amsgrad"] or group["maximize"] or group.get("capturable") or group.get("differentiable"):
+            return False
+        if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
+            return False
+        for p in group["params"]:
+            if p.grad is not None and (p.dtype != torch.float32 or p.grad.is_sparse or not use_triton(p, p.grad)):
+                return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter with a gradient (see the class docstring)."""
+        if not all(self._fusable(g) for g in self.param_groups):
+            loss = super().step(closure)
+            for group in self.param_groups:  # keep the compute copies in step on the fallback path too
+                for p in group["params"]:
+                    if id(p) in self._param_copies and p.grad is not None:
+                        self._param_copies[id(p)].copy_(p)
+            return loss
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # torch's lazy init: a CPU float32 step counter, zero moments
+                    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                adamw_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], self._param_copies.get(id(p)),
+                       float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                       float(group["weight_decay"]), float(state["step"].item()))
+        return loss
