@@ -103,7 +103,7 @@ def vocab_ce_grad_reference_(logits: torch.Tensor, target_local: torch.Tensor, m
     x = logits.to(_acc(logits.dtype))
     grad = (x - m.unsqueeze(-1)).exp() / s.unsqueeze(-1) - eps_over_v
     cols = torch.arange(x.shape[-1], device=x.device)
-    grad = grad - torch.where(cols == target_local.unsqueeze(-1), one_minus_eps, 0.0)
+    grad = grad - one_minus_eps * (cols == target_local.unsqueeze(-1)).to(grad.dtype)
     logits.copy_(grad * g.unsqueeze(-1))
 
 
@@ -198,7 +198,7 @@ class _FusedVocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         logits, target_local, m, s, valid = ctx.saved_tensors
         grad = logits if ctx.inplace else logits.clone()
-        vocab_ce_grad_(grad, target_local, m, s, (g * valid).float().contiguous(), ctx.eps / ctx.vocab, 1.0 - ctx.eps)
+        vocab_ce_grad_(grad, target_local, m, s, (g * valid).to(m.dtype).contiguous(), ctx.eps / ctx.vocab, 1.0 - ctx.eps)
         return grad, None, None, None, None, None, None, None, None, None
 
 
