@@ -168,8 +168,8 @@ class WorkerGroup:
                     if grace_end is None:
                         grace_end = time.monotonic() + 5.0
         if pending or errors:
-            if pending:
-                self.close()
+            if pending or any(kind == "ProcessExit" for kind, _, _ in errors.values()):
+                self.close()  # a rank is stuck or gone: the group cannot run again
             if errors:
                 first = min(errors)
                 exc_type, message, tb = errors[first]

@@ -1,0 +1,374 @@
+"""Sharded checkpoints: resharding round trips, atomic saves, exact resume, safetensors export.
+
+A round trip trains on mesh A, saves (ckpt 1) and takes one more step; a fresh model on mesh B
+(another seed, another plan) loads ckpt 1, saves again at once (ckpt 2) and takes the same step.
+Both checkpoints, read back whole by DCP's own ``dcp_to_torch_save``, must hold bit-identical
+parameters and optimizer state, equal to A's full state dict; the step after loading must give
+A's loss. A different world size sums gradients and losses in another order, so that loss is
+compared to fp32 rounding (rtol 1e-6); on the same mesh (exact resume) everything is bitwise.
+"""
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardlib
+import shardlib.checkpoint as ckpt
+from shardlib.errors import WorkerError
+from shardlib.models import GPT, GPTConfig, gpt_preset
+from shardlib.testing import TiedLM, run_on
+
+pytestmark = pytest.mark.multiprocess
+
+STEP_RTOL = 1e-6  # fp32 rounding of a mean over another split of the batch
+
+
+# -- tier 0: the box decomposition -------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4), data=st.data())
+def test_range_boxes_cover_the_range_exactly(shape, data):
+    """Boxes of a flat range are disjoint, contiguous in memory, in order, and cover it."""
+    n = 1
+    for s in shape:
+        n *= s
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    index = torch.arange(n).view(shape)
+    covered = []
+    boxes = ckpt._range_boxes(tuple(shape), a, b)
+    assert len(boxes) <= max(1, 2 * len(shape) - 1)
+    for start, offs, sizes in boxes:
+        block = index[tuple(slice(o, o + z) for o, z in zip(offs, sizes))].reshape(-1)
+        assert block.tolist() == list(range(start, start + block.numel()))  # contiguous
+        covered += block.tolist()
+    assert covered == list(range(a, b))
+
+
+# -- workers -------------------------------------------------------------------------------------
+
+class SixLM(torch.nn.Module):
+    """A length-6 parameter alone in its chunk: on 4 data ranks (slots of 2) rank 3 owns none of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.randn(6))
+        self.lin = torch.nn.Linear(6, 5)
+
+    def forward(self, x, y):  # x: (B, 6) float, y: (B,) int64 in [0, 5)
+        logits = self.lin(x * self.gain)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def _gpt(seed, dropout=0.0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout))
+
+
+def _make(kind, seed):
+    if kind == "tied":
+        torch.manual_seed(seed)
+        return TiedLM(37, 10, 13)
+    if kind == "six":
+        torch.manual_seed(seed)
+        return SixLM()
+    return _gpt(seed)
+
+
+def _batch(kind, step):
+    g = torch.Generator().manual_seed(100 + step)
+    if kind == "six":
+        return torch.randn(12, 6, generator=g), torch.randint(0, 5, (12,), generator=g)
+    x = torch.randint(0, 37, (12, 9), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _step(smodel, opt, kind, step):
+    """One training step on the global batch ``step``; returns the global mean loss (a float)."""
+    x, y = _batch(kind, step)
+    xl, yl = (shardlib.distribute(t, smodel.mesh, smodel.batch_spec) for t in (x, y))
+    if isinstance(smodel, shardlib.PipelineModule):
+        losses, _ = smodel.forward_backward(xl, criterion=_ce, labels=(yl,))
+        loss = shardlib.all_reduce(torch.stack(losses).mean() if losses is not None else torch.zeros(()), "pp")
+    else:
+        _, loss = smodel(xl, yl)
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach()
+    return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
+
+
+def _shard(kind, seed, shape, stage, chunk_size):
+    mesh = shardlib.init_mesh(shape)
+    specs = gpt_preset("tp").specs if "tp" in shape else None
+    options = dict(microbatches=2) if "pp" in shape else {}
+    smodel = shardlib.shard(_make(kind, seed), mesh, specs, zero_stage=stage, chunk_size=chunk_size, **options)
+    return smodel, shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+def _save_side(path, kind, shape, stage, chunk_size, steps=2):
+    smodel, opt = _shard(kind, 0, shape, stage, chunk_size)
+    for s in range(steps):
+        _step(smodel, opt, kind, s)
+    ckpt.save(path, smodel, opt, extra={"step": steps})
+    full = shardlib.full_state_dict(smodel)
+    return full, _step(smodel, opt, kind, steps)
+
+
+def _load_side(path, path2, kind, shape, stage, chunk_size, steps=2):
+    smodel, opt = _shard(kind, 7, shape, stage, chunk_size)  # other initial values
+    for group in opt.param_groups:
+        group["lr"] = 123.0  # restored from the checkpoint
+    extra = ckpt.load(path, smodel, opt)
+    ckpt.save(path2, smodel, opt)
+    full = shardlib.full_state_dict(smodel)
+    return extra, full, _step(smodel, opt, kind, steps)
+
+
+def _read_whole(path, tmp_path):
+    """Every tensor of a checkpoint, whole, read by DCP's own converter (one process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / (os.path.basename(path) + ".pt")
+    dcp_to_torch_save(path, out)
+    whole = torch.load(out, weights_only=False)
+    return {k: v for k, v in whole.items() if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor)}
+
+
+def _round_trip(tmp_path, kind, a, b):
+    """``a``/``b``: (shape, zero stage, chunk size)."""
+    p1, p2 = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
+    size = lambda shape: int(torch.tensor(list(shape.values())).prod())  # noqa: E731
+    saved = run_on(size(a[0]), _save_side, p1, kind, *a)
+    loaded = run_on(size(b[0]), _load_side, p1, p2, kind, *b)
+    full_a, loss_a = saved[0]
+    extra, full_b, loss_b = loaded[0]
+    assert extra == {"step": 2}
+    assert full_a.keys() == full_b.keys()
+    for name in full_a:
+        assert torch.equal(full_a[name], full_b[name]), name
+    one, two = _read_whole(p1, tmp_path), _read_whole(p2, tmp_path)
+    assert one.keys() == two.keys()
+    assert any(k.endswith(".exp_avg_sq") for k in one) and any(k.endswith(".step") for k in one)
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+        if key.startswith("model.") and key[6:] in full_a:
+            assert torch.equal(one[key], full_a[key[6:]]), key
+    assert loss_b == pytest.approx(loss_a, rel=STEP_RTOL)
+    assert all(r[2] == loss_b for r in loaded)  # the same global loss on every rank
+    return one
+
+
+# -- resharding round trips ----------------------------------------------------------------------
+
+def test_dp4_to_dp2(tmp_path):
+    """ZeRO-3 over 4 ranks -> ZeRO-1 over 2, with a tied embedding, a frozen layer and a buffer."""
+    _round_trip(tmp_path, "tied", ({"dp": 4}, 3, 150), ({"dp": 2}, 1, 40))
+
+
+def test_dp2_to_dp3_uneven(tmp_path):
+    """ZeRO-2 over 2 ranks -> ZeRO-3 over 3 (chunks padded unevenly, other chunk boundaries)."""
+    _round_trip(tmp_path, "tied", ({"dp": 2}, 2, 1 << 20), ({"dp": 3}, 3, 64))
+
+
+@pytest.mark.parametrize("ranks,stage", [(3, 3), (6, 1)])
+def test_zero_size_shard(tmp_path, ranks, stage):
+    """A length-6 parameter on 4 ranks (rank 3's shard of it is empty) loads on 3 and 6 ranks."""
+    smodel_plan = shardlib.plan(SixLM(), shardlib.AbstractMesh({"dp": 4}), zero_stage=3, chunk_size=8)
+    chunk = next(c for c in smodel_plan.chunks if "gain" in c.params)
+    assert chunk.padded_numel == 8 and chunk.shard_numel == 2  # rank 3 holds padding only
+    _round_trip(tmp_path, "six", ({"dp": 4}, 3, 8), ({"dp": ranks}, stage, 8))
+
+
+def test_dp2_tp2_to_dp4(tmp_path):
+    """Megatron column/row/vocab-parallel GPT over dp=2 x tp=2 (ZeRO-1) -> ZeRO-3 over dp=4."""
+    _round_trip(tmp_path, "gpt", ({"dp": 2, "tp": 2}, 1, 400), ({"dp": 4}, 3, 400))
+
+
+def test_pp2_dp2_to_dp4(tmp_path):
+    """Two pipeline stages x dp=2 (ZeRO-2; the tied wte/lm_head on both stages, written once)
+    -> one stage over dp=4 at stage 0."""
+    whole = _round_trip(tmp_path, "gpt", ({"pp": 2, "dp": 2}, 2, 400), ({"dp": 4}, 0, 400))
+    assert "model.wte.weight" in whole and "model.lm_head.weight" not in whole
+
+
+# -- atomic saves and clear errors ---------------------------------------------------------------
+
+def _kill_mid_save(path):
+    smodel, opt = _shard("tied", 0, {"dp": 2}, 3, 64)
+    _step(smodel, opt, "tied", 0)
+    ckpt.save(path, smodel, opt, extra={"step": 1})
+    _step(smodel, opt, "tied", 1)
+    if torch.distributed.get_rank() == 1:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        original = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            fut = original(self, plan, planner)
+            fut.wait()  # this rank's data files are on disk, the metadata is not
+            os._exit(17)
+
+        FileSystemWriter.write_data = write_then_die
+    ckpt.save(path, smodel, opt, extra={"step": 2})  # overwrites path: killed midway
+
+
+def _load_after_kill(path):
+    out = {}
+    for name in (path + ".partial", os.path.dirname(path) + "/missing"):
+        smodel, opt = _shard("tied", 0, {"dp": 2}, 1, 64)
+        try:
+            ckpt.load(name, smodel, opt)
+        except ckpt.CheckpointError as exc:  # raised on each rank before any communication
+            out[name] = str(exc)
+    smodel, opt = _shard("tied", 5, {"dp": 2}, 3, 64)
+    out["extra"] = ckpt.load(path, smodel, opt)
+    out["loss"] = _step(smodel, opt, "tied", 1)
+    return out
+
+
+def test_kill_mid_save_keeps_previous_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(WorkerError):  # rank 1 exits; rank 0 loses its peer mid-collective
+        run_on(2, _kill_mid_save, path)
+    files = os.listdir(path + ".partial")
+    assert any(f.endswith(".distcp") for f in files), files  # rank 1's data was written ...
+    assert ckpt.MARKER not in files and ".metadata" not in files  # ... the save never finished
+    shutil.copytree(path + ".partial", str(tmp_path / "missing.partial"))
+    results = run_on(2, _load_after_kill, path)
+    reference = run_on(2, _save_side, str(tmp_path / "again"), "tied", {"dp": 2}, 3, 64, 1)[0][1]
+    for out in results:
+        assert "is incomplete" in out[path + ".partial"] and ckpt.MARKER in out[path + ".partial"]
+        assert "missing.partial" in out[str(tmp_path / "missing")] and "did not finish" in out[str(tmp_path / "missing")]
+        assert out["extra"] == {"step": 1}  # the previous checkpoint
+        assert out["loss"] == reference  # its step 2 is the uninterrupted step 2 (same mesh: bitwise)
+    assert ckpt.latest(str(tmp_path)) in (path, str(tmp_path / "again"))
+
+
+def _bad_loads(path):
+    out = []
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    for model in (TiedLM(37, 12, 13), SixLM()):
+        smodel = shardlib.shard(model, mesh, zero_stage=3)
+        try:
+            ckpt.load(path, smodel)
+        except ckpt.CheckpointError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_bad_loads_raise_on_every_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_on(2, _save_side, path, "tied", {"dp": 2}, 3, 64, 1)
+    for messages in run_on(2, _bad_loads, path):  # both ranks raise, and the pool is not stuck
+        shape, missing = messages
+        assert "wte.weight: shape (37, 12) here, (37, 10) in the checkpoint" in shape and path in shape
+        assert "parameter gain (6,) is not in the checkpoint" in missing
+
+
+# -- exact resume ----------------------------------------------------------------------------------
+
+def _resume_worker(path, start, stop, save_at):
+    """Train the reference GPT (dropout on, batches from torch's global RNG) from ``start`` to
+    ``stop``; load ``path`` first if ``start > 0``; save there after step ``save_at``."""
+    mesh = shardlib.init_mesh({"dp": 2})
+    smodel = shardlib.shard(_gpt(0 if start == 0 else 99, dropout=0.1), mesh, zero_stage=3, chunk_size=400)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
+    torch.manual_seed(1234)  # the data stream
+    if start:
+        torch.manual_seed(4321)  # a different process state, which load() replaces
+        assert ckpt.load(path, smodel, opt) == {"step": start}
+    losses = []
+    for step in range(start, stop):
+        x = torch.randint(0, 37, (8, 9))  # the global batch, from the (restored) global RNG
+        xl = shardlib.distribute(x, mesh, smodel.batch_spec)
+        _, loss = smodel(xl[:, :-1], xl[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if step + 1 == save_at:
+            ckpt.save(path, smodel, opt, extra={"step": save_at})
+    return losses, shardlib.full_state_dict(smodel)
+
+
+def test_exact_resume_is_bitwise(tmp_path):
+    """4 steps straight == 2 steps, save, a fresh model loads, 2 more steps: every loss on every
+    rank and every parameter bit-identical (dropout counters and RNG states restored)."""
+    path = str(tmp_path / "resume")
+    straight = run_on(2, _resume_worker, str(tmp_path / "unused"), 0, 4, -1)
+    first = run_on(2, _resume_worker, path, 0, 2, 2)
+    second = run_on(2, _resume_worker, path, 2, 4, -1)
+    for rank in range(2):
+        losses = first[rank][0] + second[rank][0]
+        assert all(torch.equal(a, b) for a, b in zip(losses, straight[rank][0])), (losses, straight[rank][0])
+        for name, value in straight[rank][1].items():
+            assert torch.equal(second[rank][1][name], value), name
+
+
+# -- safetensors export ----------------------------------------------------------------------------
+
+def make_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=37, n_embd=16, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _export_worker(path, kind):
+    mesh = shardlib.init_mesh({"dp": 2, "tp": 2} if kind == "gpt" else {"dp": 1, "tp": 2})
+    if kind == "gpt":
+        smodel = shardlib.shard(_gpt(0), mesh, gpt_preset("tp").specs, zero_stage=3)
+    else:
+        from shardlib.models import gpt2_preset
+
+        torch.manual_seed(0)
+        preset = gpt2_preset()
+        smodel = shardlib.shard(make_gpt2(), mesh, preset.specs, zero_stage=0, **preset.options)
+    out = ckpt.export_safetensors(path, smodel)
+    return out, shardlib.full_state_dict(smodel)
+
+
+def test_export_safetensors_loads_into_the_unsharded_gpt(tmp_path):
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "gpt.safetensors")
+    results = run_on(4, _export_worker, path, "gpt")
+    assert results[0][0] == path and all(r[0] is None for r in results[1:])
+    model = _gpt(5)
+    model.load_state_dict(load_file(path))  # strict: every name, original shapes
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, results[0][1][name]), name
+    x = torch.randint(0, 37, (2, 8))
+    assert torch.equal(model(x)[0], _reference_gpt(results[0][1])(x)[0])
+
+
+def _reference_gpt(state):
+    model = _gpt(3)
+    model.load_state_dict(state)
+    return model
+
+
+def test_export_safetensors_loads_into_hugging_face_gpt2(tmp_path):
+    """Fused q/k/v (``c_attn``) split over tp=2, exported and read by ``from_pretrained``."""
+    transformers = pytest.importorskip("transformers")
+    results = run_on(2, _export_worker, str(tmp_path / "model.safetensors"), "gpt2")
+    torch.manual_seed(0)
+    make_gpt2().config.save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    for name, value in model.state_dict().items():
+        if name in results[0][1]:
+            assert torch.equal(value, results[0][1][name]), name
+    assert torch.equal(model.transformer.h[0].attn.c_attn.weight, results[0][1]["transformer.h.0.attn.c_attn.weight"])
