@@ -133,31 +133,34 @@ def _owned(zero, chunk, off: int, n: int) -> tuple[int, int]:
     return a, max(a, min(max(chunk.slot.stop - off, 0), n))
 
 
-def _param_regions(smodel: ShardedModule, pp):
-    """``(held, saved)`` of ``pp`` on this rank, each ``(a, b, flat)``: the local elements this
-    rank keeps (loads into) and the ones it writes, with a 1-D tensor holding them."""
-    zero = smodel._zero
-    c, off = smodel.plan.placement[pp.name]
-    chunk = zero.chunks[c]
-    n = math.prod(smodel.plan.local_shape(pp))
-    a, b = _owned(zero, chunk, off, n)
-    if zero.stage == 3:
-        s = chunk.slot.start
-        region = (a, b, chunk.shard[a + off - s : b + off - s])
-        return region, region
-    return (0, n, chunk.full[off : off + n]), (a, b, chunk.full[off + a : off + b])
-
-
-def _state_region(smodel: ShardedModule, pp, state: torch.Tensor):
-    """``(a, b, flat)``: the part of a per-element optimizer state tensor (shaped as the
-    optimizer's flat parameter) that belongs to ``pp``."""
+def _region(smodel: ShardedModule, pp, flat_owner: torch.Tensor):
+    """``(a, b, flat)``: the local elements ``[a, b)`` of ``pp`` that this rank owns, as a slice of
+    a tensor laid out as this rank's shard of the chunk (the master parameters, or a per-element
+    optimizer state; the whole chunk at stage 0)."""
     zero = smodel._zero
     c, off = smodel.plan.placement[pp.name]
     chunk = zero.chunks[c]
     n = math.prod(smodel.plan.local_shape(pp))
     a, b = _owned(zero, chunk, off, n)
     lo = chunk.slot.start if zero.stage >= 1 else 0
-    return a, b, state[a + off - lo : b + off - lo]
+    return a, b, flat_owner[a + off - lo : b + off - lo]
+
+
+def _load_targets(smodel: ShardedModule, pp) -> list:
+    """Where a load writes ``pp`` on this rank: ``[(a, b, flat)]``. The owned range of the master
+    shard (``chunk.shard``), and at stages 0-2 the whole local tensor in the compute copy
+    (``chunk.full``) unless the shard is a view of it; values are cast on copy."""
+    zero = smodel._zero
+    c, off = smodel.plan.placement[pp.name]
+    chunk = zero.chunks[c]
+    master = _region(smodel, pp, chunk.shard)
+    if zero.stage == 3:
+        return [master]
+    n = math.prod(smodel.plan.local_shape(pp))
+    whole = (0, n, chunk.full[off : off + n])
+    if chunk.shard.untyped_storage().data_ptr() == chunk.full.untyped_storage().data_ptr():
+        return [whole]
+    return [master, whole]
 
 
 def _canonical(smodel: ShardedModule) -> dict[int, str]:
@@ -184,12 +187,15 @@ class _Boxes:
 
     def __init__(self, size: tuple[int, ...], dtype: torch.dtype, pieces: list):
         self.size, self.dtype, self.pieces = torch.Size(size), dtype, pieces
-        self.by_offset = {tuple(o): t for o, t in pieces}
+        self.by_offset = {tuple(o): t for o, t in pieces}  # unique when saving
 
     def chunks(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in self.pieces]
 
     def find(self, index: MetadataIndex) -> torch.Tensor:
+        i = index.index
+        if i is not None and i < len(self.pieces) and tuple(self.pieces[i][0]) == tuple(index.offset):
+            return self.pieces[i][1]  # a load may write one box into two copies (master, compute)
         return self.by_offset[tuple(index.offset)]
 
 
@@ -291,14 +297,14 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
     for pp, name, prm, skip in _entries(smodel):
         if skip:
             continue
-        _, (a, b, flat) = _param_regions(smodel, pp)
-        sd[f"model.{name}"] = _Boxes(pp.global_shape, pp.dtype, _global_pieces(smodel, pp, a, b, flat))
         chunk = zero.param_chunk[id(prm)]
+        a, b, flat = _region(smodel, pp, chunk.shard)  # the master values (mixed precision)
+        sd[f"model.{name}"] = _Boxes(pp.global_shape, flat.dtype, _global_pieces(smodel, pp, a, b, flat))
         if inner is None or not chunk.trainable:
             continue
         for key, state in inner.state.get(chunk.opt_param, {}).items():
             if _per_element(state, chunk.opt_param):
-                a, b, flat = _state_region(smodel, pp, state)
+                a, b, flat = _region(smodel, pp, state)
                 sd[f"optim.{name}.{key}"] = _Boxes(pp.global_shape, state.dtype, _global_pieces(smodel, pp, a, b, flat))
             elif isinstance(state, torch.Tensor) and state.dim() == 0:
                 sd[f"optim.{name}.{key}"] = state.detach().clone()
@@ -462,8 +468,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != pp.global_shape:
             problems.append(f"parameter {pp.name}: shape {pp.global_shape} here, {tuple(getattr(md, 'size', ()))} in the checkpoint")
             continue
-        (a, b, flat), _ = _param_regions(smodel, pp)
-        sd[f"model.{key}"] = _Boxes(pp.global_shape, pp.dtype, _global_pieces(smodel, pp, a, b, flat))
+        pieces = [p for a, b, flat in _load_targets(smodel, pp) for p in _global_pieces(smodel, pp, a, b, flat)]
+        sd[f"model.{key}"] = _Boxes(pp.global_shape, pp.dtype, pieces)
         chunk = zero.param_chunk[id(prm)]
         if inner is None or not chunk.trainable:
             continue
@@ -477,7 +483,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
             if tuple(md.size) == pp.global_shape and len(md.size) > 0:
                 if skey not in fresh:
                     fresh[skey] = torch.zeros_like(chunk.opt_param, dtype=md.properties.dtype)
-                a, b, flat = _state_region(smodel, pp, fresh[skey])
+                a, b, flat = _region(smodel, pp, fresh[skey])
                 sd[prefix + skey] = _Boxes(pp.global_shape, md.properties.dtype, _global_pieces(smodel, pp, a, b, flat))
             elif len(md.size) == 0:
                 if skey not in fresh:
