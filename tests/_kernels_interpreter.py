@@ -271,3 +271,20 @@ def test_gpt_and_zero_optimizer_use_kernels():
             # row equally; softmax ignores it), so Adam turns rounding noise into +-lr steps
             continue
         torch.testing.assert_close(p_on[name], p_off[name], rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_triton_path():
+    """Schemas, autograd registration and fake implementations against the Triton outputs."""
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(5, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
+    t = torch.tensor([0, 3, -1, 7, 2])
+    m, s, _, _ = kce.vocab_ce_stats(x, t, False)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for op, args in (
+        (knorms.norm_forward, (x.clone().requires_grad_(), w.clone().requires_grad_(), b, 1e-5, False)),
+        (kce.vocab_ce_stats, (x, t, True)),
+        (kce.vocab_ce_grad_, (x.clone(), t, m, s, torch.ones(5), 0.0, 1.0)),
+        (kadamw.adamw_, (torch.randn(16), torch.randn(16), torch.zeros(16), torch.zeros(16), None,
+                         1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0)),
+    ):
+        torch.library.opcheck(op, args, test_utils=checks)

@@ -116,6 +116,10 @@ def _block(v: int) -> int:
     return min(triton.next_power_of_2(v), _MAX_BLOCK)
 
 
+def _warps(v: int) -> int:
+    return min(max(_block(v) // 256, 1), 16)  # 16 warps for a 4096-column block
+
+
 @torch.library.custom_op("shardlib::vocab_ce_stats", mutates_args=())
 def vocab_ce_stats(logits: torch.Tensor, target_local: torch.Tensor,
                    smoothing: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,7 +139,8 @@ def vocab_ce_stats(logits: torch.Tensor, target_local: torch.Tensor,
         return vocab_ce_stats_reference(logits, target_local, smoothing)
     n, v = logits.shape
     m, s, xt, sx = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(4))
-    _ce_stats_kernel[(n,)](logits, target_local, m, s, xt, sx, v, SMOOTH=smoothing, BLOCK=_block(v))
+    _ce_stats_kernel[(n,)](logits, target_local, m, s, xt, sx, v, SMOOTH=smoothing, BLOCK=_block(v),
+                           num_warps=_warps(v))
     return m, s, xt, sx
 
 
@@ -158,7 +163,8 @@ def vocab_ce_grad_(logits: torch.Tensor, target_local: torch.Tensor, m: torch.Te
         vocab_ce_grad_reference_(logits, target_local, m, s, g, eps_over_v, one_minus_eps)
         return
     n, v = logits.shape
-    _ce_grad_kernel[(n,)](logits, target_local, m, s, g, v, eps_over_v, one_minus_eps, BLOCK=_block(v))
+    _ce_grad_kernel[(n,)](logits, target_local, m, s, g, v, eps_over_v, one_minus_eps, BLOCK=_block(v),
+                          num_warps=_warps(v))
 
 
 @vocab_ce_grad_.register_fake

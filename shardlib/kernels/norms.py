@@ -135,6 +135,11 @@ def norm_backward_reference(dy: torch.Tensor, x: torch.Tensor, weight: Optional[
     return dx.to(x.dtype), dw, db
 
 
+def _warps(c: int) -> int:
+    """Warps per row program, as the Triton layer-norm tutorial: one per 256 columns, 1 to 8."""
+    return min(max(triton.next_power_of_2(c) // 256, 1), 8)
+
+
 def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
     ts = [t for t in tensors if t is not None]
     x = ts[0]
@@ -154,7 +159,8 @@ def norm_forward(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     _norm_fwd_kernel[(n,)](x, y, weight if weight is not None else x, bias if bias is not None else x,
                            mean if not rms else rstd, rstd, c, eps, HAS_W=weight is not None,
-                           HAS_B=bias is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(c))
+                           HAS_B=bias is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(c),
+                           num_warps=_warps(c))
     return y, mean, rstd
 
 
@@ -183,7 +189,8 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     db = torch.empty(programs, c, device=x.device, dtype=torch.float32) if has_bias else None
     _norm_bwd_kernel[(programs,)](dy, x, weight if weight is not None else x, mean if not rms else rstd, rstd, dx,
                                   dw if dw is not None else dx, db if db is not None else dx, n, c, rows,
-                                  HAS_W=weight is not None, HAS_B=has_bias, RMS=rms, BLOCK_C=triton.next_power_of_2(c))
+                                  HAS_W=weight is not None, HAS_B=has_bias, RMS=rms, BLOCK_C=triton.next_power_of_2(c),
+                                  num_warps=_warps(c))
     pdtype = weight.dtype if weight is not None else x.dtype
     dw = dw.sum(0).to(pdtype) if dw is not None else x.new_empty(0)
     db = db.sum(0).to(pdtype) if db is not None else x.new_empty(0)
