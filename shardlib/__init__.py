@@ -39,7 +39,18 @@ from .shard import (
 )
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
 
+
+def __getattr__(name: str):
+    # shardlib.checkpoint imports torch.distributed.checkpoint (seconds): loaded on first use
+    if name == "checkpoint":
+        import importlib
+
+        return importlib.import_module(".checkpoint", __name__)
+    raise AttributeError(f"module 'shardlib' has no attribute {name!r}")
+
+
 __all__ = [
+    "checkpoint",
     "ShardingError",
     "WorkerError",
     "AbstractMesh",

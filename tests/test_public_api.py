@@ -22,6 +22,13 @@ def test_contract_names_are_exported():
     assert callable(testing.assert_equivalent)
 
 
+def test_checkpoint_contract():
+    """``checkpoint.save``/``checkpoint.load`` (DESIGN.md), reached as ``shardlib.checkpoint``."""
+    assert "checkpoint" in shardlib.__all__
+    for name in ("save", "load", "export_safetensors"):
+        assert inspect.getdoc(getattr(shardlib.checkpoint, name)), name
+
+
 def test_every_public_name_exists_and_is_documented():
     for name in shardlib.__all__:
         obj = getattr(shardlib, name)
