@@ -5,10 +5,17 @@ Launch:
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2
     python examples/train_gpt.py --mesh dp=1                                  # one process
     torchrun ... examples/train_gpt.py --data ../shared/data/shakespeare --val-files hamlet.txt,tempest.txt
+    torchrun ... examples/train_gpt.py --ckpt-dir runs/ckpt --save-every 100      # sharded checkpoints
+    torchrun ... examples/train_gpt.py --resume runs/ckpt                         # newest one, any mesh
+    torchrun ... examples/train_gpt.py --resume runs/ckpt --eval-only             # validation loss only
 
 Every rank draws the same *global* batch from a generator seeded with ``--seed`` and keeps its
 slice (``shardlib.distribute``), so ``--check N`` can replay the first N steps in one process,
 unsharded, on exactly the same batches, and compare the losses.
+
+Checkpoints (``shardlib.checkpoint``) hold the sharded parameters and AdamW state, the step, the
+batch generator's state and the loss history: ``--resume`` continues exactly where the run
+stopped (on the same mesh bit for bit; on another mesh or ZeRO stage up to rounding).
 """
 
 from __future__ import annotations
@@ -63,6 +70,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample", type=int, default=200, metavar="BYTES",
                    help="rank 0 prints this many sampled bytes from the trained model (0: none)")
     p.add_argument("--log-json", default=None, metavar="PATH", help="write the loss curve here")
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="write sharded checkpoints DIR/step_NNNNNN")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps and at the end (needs --ckpt-dir; 0: only at the end)")
+    p.add_argument("--resume", default=None, metavar="PATH",
+                   help="a checkpoint folder, or a --ckpt-dir (its newest checkpoint), to continue from")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the validation loss of the model (from --resume) and exit")
+    p.add_argument("--export-safetensors", default=None, metavar="FILE",
+                   help="at the end, write the full weights (original names) to one .safetensors file")
     return p.parse_args(argv)
 
 
@@ -96,9 +112,10 @@ def load_data(args) -> ByteCorpus:
     return load_corpus(args.data, val_files=tuple(f for f in args.val_files.split(",") if f))
 
 
-def train_batches(corpus: ByteCorpus, args):
-    """Yield the GLOBAL training batches ``(x, y)``, int64 ``(batch_size, block_size)``."""
-    g = torch.Generator().manual_seed(args.seed)
+def train_batches(corpus: ByteCorpus, args, g: torch.Generator | None = None):
+    """Yield the GLOBAL training batches ``(x, y)``, int64 ``(batch_size, block_size)``, drawn
+    from ``g`` (default: a generator seeded with ``--seed``; its state is the data position)."""
+    g = torch.Generator().manual_seed(args.seed) if g is None else g
     while True:
         yield corpus.get_batch("train", args.batch_size, args.block_size, g)
 
@@ -183,6 +200,27 @@ def evaluate(smodel, corpus, args, device) -> float:
     return total / args.eval_batches
 
 
+def resume_path(path: str) -> str:
+    """``path`` if it is a checkpoint, else the newest checkpoint in the folder ``path``."""
+    from shardlib import checkpoint
+
+    if os.path.exists(os.path.join(path, checkpoint.MARKER)):
+        return path
+    found = checkpoint.latest(path)
+    if found is None:
+        raise SystemExit(f"--resume {path}: not a checkpoint, and no finished checkpoint inside it")
+    return found
+
+
+def save_checkpoint(smodel, opt, args, step: int, data_gen: torch.Generator, history: list) -> str:
+    """Sharded checkpoint after ``step`` steps (every rank): weights, AdamW state, data position."""
+    from shardlib import checkpoint
+
+    path = os.path.join(args.ckpt_dir, f"step_{step:06d}")
+    extra = dict(step=step, data_rng=data_gen.get_state(), history=history, args=vars(args))
+    return checkpoint.save(path, smodel, opt, extra=extra)
+
+
 def local(batch, smodel, device):
     """This rank's rows of a global batch ``(B, T)``: local ``(B // |data axes|, T)``."""
     return shardlib.distribute(batch, smodel.mesh, smodel.batch_spec).to(device)
@@ -243,8 +281,27 @@ def main(argv=None) -> int:
 
     tokens_per_step = args.batch_size * args.block_size
     history = []  # one record per step, for --log-json and --check
-    batches = train_batches(corpus, args)
-    bar = tqdm(range(args.steps), disable=not is_main, dynamic_ncols=True)
+    data_gen = torch.Generator().manual_seed(args.seed)
+    start = 0
+    if args.resume:
+        from shardlib import checkpoint
+
+        path = resume_path(args.resume)
+        extra = checkpoint.load(path, smodel, opt)  # any mesh / ZeRO stage: resharded on load
+        start, history = extra["step"], list(extra["history"])
+        data_gen.set_state(extra["data_rng"])
+        if is_main:
+            print(f"resumed from {path} at step {start}")
+    if args.eval_only:
+        val_loss = evaluate(smodel, corpus, args, device)
+        if is_main:
+            print(f"val loss {val_loss:.4f} nats/byte after {start} steps ({args.eval_batches} batches of "
+                  f"{args.batch_size} x {args.block_size} held-out bytes)")
+        return 0
+    if args.save_every and not args.ckpt_dir:
+        raise SystemExit("--save-every needs --ckpt-dir")
+    batches = train_batches(corpus, args, data_gen)
+    bar = tqdm(range(start, args.steps), disable=not is_main, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         set_lr(opt, learning_rate(step, args))
@@ -262,7 +319,16 @@ def main(argv=None) -> int:
         bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tok_s:,.0f}")
         history.append(dict(step=step + 1, lr=learning_rate(step, args), train_loss=train_loss,
                             val_loss=val_loss, tokens_per_s=tok_s))
+        if args.ckpt_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            path = save_checkpoint(smodel, opt, args, step + 1, data_gen, history)
+            if is_main:
+                bar.write(f"step {step + 1}: checkpoint {path}")
     bar.close()
+    if args.export_safetensors:
+        from shardlib import checkpoint
+
+        if checkpoint.export_safetensors(args.export_safetensors, smodel) and is_main:
+            print(f"full weights: {args.export_safetensors}")
 
     if pipelined:  # every stage's actions of the last step, drawn on rank 0
         from shardlib.parallel.pipeline import timeline_svg

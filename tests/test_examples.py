@@ -1,5 +1,7 @@
-"""The main job runs under torchrun and its --check agrees with one process."""
+"""The main job runs under torchrun and its --check agrees with one process; it checkpoints, and
+a resumed run continues bit for bit."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,19 +12,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.multiprocess
-def test_train_gpt_under_torchrun_with_check(tmp_path):
-    log = tmp_path / "log.json"
+def _train_gpt(tmp_path, *extra):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "examples" / "train_gpt.py"),
         "--zero-stage", "3", "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--batch-size", "4",
-        "--block-size", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--check", "4",
-        "--sample", "0", "--log-json", str(log),
+        "--block-size", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--sample", "0", *extra,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "max relative loss difference" in out.stdout
-    assert "final val loss" in out.stdout
+    return out.stdout
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_under_torchrun_with_check_and_resume(tmp_path):
+    log, log2 = tmp_path / "log.json", tmp_path / "log2.json"
+    ckpt = tmp_path / "ckpt"
+    out = _train_gpt(tmp_path, "--check", "4", "--log-json", str(log), "--ckpt-dir", str(ckpt), "--save-every", "2")
+    assert "max relative loss difference" in out
+    assert "final val loss" in out
     assert log.exists()
+    assert sorted(os.listdir(ckpt)) == ["step_000002", "step_000004"]
+    # a fresh job from the step-2 checkpoint: steps 3-4 and the final validation loss bit for bit
+    out = _train_gpt(tmp_path, "--resume", str(ckpt / "step_000002"), "--log-json", str(log2))
+    assert "resumed from" in out and "at step 2" in out
+    straight, resumed = json.loads(log.read_text())["history"], json.loads(log2.read_text())["history"]
+    keys = ("step", "train_loss", "val_loss")
+    assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in straight]
