@@ -262,8 +262,30 @@ def test_opcheck_custom_ops():
         (kernels.adamw_, (torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.float16),
                           1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0)),
     ]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    for op, args in cases:  # aot dispatch: test_ops_compose_with_torch_compile
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_ops_compose_with_torch_compile():
+    """fullgraph torch.compile (aot_eager: traces through the fake impls and the registered
+    autograd, no C++ build) gives the eager values and gradients."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 3, 8, generator=g, requires_grad=True)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    t = torch.tensor([1, 0, 7, 3])
+
+    def f(x, w):
+        y = kernels.layer_norm(x, 8, w, None) + kernels.rms_norm(x, 8, w, eps=1e-6)
+        m, s, xt, _ = kernels.vocab_ce_stats(y[:, 0].detach(), t, False)
+        return y.square().sum() + (m + s.log() - xt).sum()
+
+    eager = f(x, w)
+    ge = torch.autograd.grad(eager, (x, w))
+    comp = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w)
+    gc = torch.autograd.grad(comp, (x, w))
+    torch.testing.assert_close(comp, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
 
 
 # -- the switch ----------------------------------------------------------------------------------
