@@ -77,12 +77,15 @@ def test_fused_adamw_is_torch_adamw_on_cpu():
     ob = torch.optim.AdamW([b], lr=1e-2)
     copy = torch.empty(10, 3, dtype=torch.float16)
     oa.set_param_copy(a, copy)
+    calls = []
+    oa.register_step_pre_hook(lambda *args: calls.append(1))
     for _ in range(2):
         g = torch.randn(10, 3)
         a.grad, b.grad = g.clone(), g.clone()
         oa.step()
         ob.step()
     assert torch.equal(a, b) and torch.equal(copy, a.detach().half())
+    assert len(calls) == 2  # step hooks once per step, also on the fallback path
     sa, sb = oa.state_dict(), ob.state_dict()
     assert sa["param_groups"] == sb["param_groups"] and sa["state"][0].keys() == sb["state"][0].keys()
     oa2 = kernels.FusedAdamW([torch.nn.Parameter(w0.clone())], lr=1e-2)

@@ -45,8 +45,8 @@ if HAS_TRITON:
         p = p * decay
         m = m + one_minus_beta1 * (g - m)
         v = v * beta2 + one_minus_beta2 * (g * g)
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p + neg_step_size * (m / denom)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps  # IEEE sqrt and division, as torch's
+        p = p + neg_step_size * tl.div_rn(m, denom)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -172,7 +172,10 @@ class FusedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         """One AdamW step over every parameter with a gradient (see the class docstring)."""
         if not all(self._fusable(g) for g in self.param_groups):
-            loss = super().step(closure)
+            step = torch.optim.AdamW.step
+            if getattr(step, "hooked", False):  # torch wrapped it with the step hooks, which already ran for us
+                step = step.__wrapped__
+            loss = step(self, closure)
             for group in self.param_groups:  # keep the compute copies in step on the fallback path too
                 for p in group["params"]:
                     if id(p) in self._param_copies and p.grad is not None:

@@ -48,7 +48,7 @@ if HAS_TRITON:
             mean = tl.sum(x, axis=0) / C
             xc = tl.where(mask, x - mean, 0.0)
             tl.store(mean_ptr + row, mean)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / C + eps)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / C + eps)
         tl.store(rstd_ptr + row, rstd)
         y = xc * rstd
         if HAS_W:
