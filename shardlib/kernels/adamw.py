@@ -164,8 +164,11 @@ class FusedAdamW(torch.optim.AdamW):
         if isinstance(group["lr"], torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group["betas"]):
             return False
         for p in group["params"]:
-            if p.grad is not None and (p.dtype != torch.float32 or p.grad.is_sparse or not use_triton(p, p.grad)):
-                return False
+            if p.grad is None:
+                continue
+            state = [self.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in self.state.get(p, {})]
+            if p.dtype != torch.float32 or p.grad.is_sparse or not use_triton(p, p.grad, *state):
+                return False  # e.g. optimizer state offloaded to the CPU: torch's step handles devices
         return True
 
     @torch.no_grad()
