@@ -29,8 +29,6 @@ Run a benchmark module as ``python -m benchmarks.<name>``; ``python -m benchmark
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 import traceback
@@ -40,10 +38,12 @@ from typing import Any, Callable
 
 import torch
 
+from .report import print_table, summarize, write_outputs
+
 __all__ = [
     "Settings", "SIZES", "Side", "CollectiveProbe", "add_common_args", "settings_from_args", "make_gpt", "batches",
     "time_pair", "measure_side", "storage_bytes", "torch_state_bytes", "saved_activation_bytes", "activation_bytes", "zero_state_formula",
-    "zero_comm_theory", "compare", "print_table", "write_outputs", "worker_group",
+    "zero_comm_theory", "compare", "print_table", "write_outputs", "summarize", "worker_group", "run_benchmark",
 ]
 
 # GPT sizes: "tiny" for the smoke test, "small" for --quick, "10m" (10.8M parameters) for the real run.
@@ -93,7 +93,7 @@ class Settings:
 
 QUICK = dict(size="small", batch=4, seq=64, steps=20, warmup=3, block=5)
 FULL = dict(size="10m", batch=4, seq=128, steps=20, warmup=3, block=5)
-SMOKE = dict(size="tiny", batch=2, seq=16, steps=2, warmup=1, block=1, corpus_bytes=50_000, activations=True)
+SMOKE = dict(size="tiny", batch=2, seq=16, steps=2, warmup=0, block=1, corpus_bytes=50_000, activations=True)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -304,7 +304,7 @@ def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
     return total[0]
 
 
-def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list) -> dict:
+def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list, memtracker: bool = True) -> dict:
     """Activation memory of one call of ``step``: ``{"activation": saved-for-backward bytes
     (:func:`saved_activation_bytes`), "peak_total": peak bytes MemTracker saw over another call}``.
 
@@ -317,6 +317,8 @@ def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list) -
         out["activation"] = saved_activation_bytes(step, modules)
     except Exception as exc:  # noqa: BLE001 - reported in the output
         out["activation_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if not memtracker:
+        return out
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -368,6 +370,8 @@ class Side:
         state_bytes: ``() -> {"params", "grads", "optimizer", "total"}`` measured on this rank.
         mesh: the shardlib mesh whose ``comm`` counter counts this side (None for PyTorch).
         extra: anything else to report (plan predictions, theory).
+        memtracker: run the MemTracker step (off for pipelines: under MemTracker's dispatch mode
+            the receiving rank of shardlib's pipeline never completes its receive; not understood).
     """
 
     label: str
@@ -377,6 +381,7 @@ class Side:
     state_bytes: Callable[[], dict] | None = None
     mesh: Any = None
     extra: dict = field(default_factory=dict)
+    memtracker: bool = True
 
 
 def _barrier() -> None:
@@ -398,7 +403,7 @@ def time_pair(a: Side, b: Side, settings: Settings) -> dict:
     times = {"a": [], "b": []}
     rounds = {"a": [], "b": []}
     losses = {"a": [], "b": []}
-    counters = {"a": 0, "b": 0}
+    counters = {"a": 1, "b": 1}  # step 0 ran in compare(), when the side was built
     for key, side in (("a", a), ("b", b)):
         for _ in range(settings.warmup):
             losses[key].append(_loss_value(side.step(counters[key])))
@@ -442,7 +447,8 @@ def measure_side(side: Side, i: int, settings: Settings) -> dict:
     if settings.activations:
         _barrier()
         steps = iter(range(i + 1, i + 3))
-        out["memory"] = activation_bytes(lambda: side.step(next(steps)), side.modules, side.optimizers)
+        out["memory"] = activation_bytes(lambda: side.step(next(steps)), side.modules, side.optimizers,
+                                       side.memtracker)
     return out
 
 
@@ -467,9 +473,12 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
     """
     row: dict[str, Any] = {"name": name, "theory": theory or {}}
     sides, errors = {}, {}
+    first = {}
     for key, make in (("a", make_a), ("b", make_b)):
         try:
-            sides[key] = make()
+            side = make()
+            first[key] = _loss_value(side.step(0))  # a side that cannot run fails here, alone
+            sides[key] = side
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is a result
             errors[key] = f"{type(exc).__name__}: {exc}".strip()[:2000]
             errors[key + "_traceback"] = traceback.format_exc()[-3000:]
@@ -495,7 +504,7 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
     for key, side in sides.items():
         m = _run_guarded(lambda: measure_side(side, timing["counters"][key], settings))
         measured[key] = m
-    per_rank = _gather({"timing": timing, "measured": measured})
+    per_rank = _gather({"timing": timing, "measured": measured, "first": first})
     for key, side in sides.items():
         steps = list(zip(*[r["timing"]["times"][key] for r in per_rank]))
         slowest = [max(s) for s in steps]
@@ -505,7 +514,8 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
             "median_s": statistics.median(slowest),
             "iqr_s": q[2] - q[0],
             "times_s": slowest,
-            "losses": per_rank[0]["timing"]["losses"][key][:3],
+            "losses": next(([r["first"].get(key)] + r["timing"]["losses"][key][:2] for r in per_rank
+                            if r["first"].get(key) is not None), None),  # the rank that has the loss
             "ranks": [r["measured"][key] for r in per_rank],
             **side.extra,
         }
@@ -522,155 +532,6 @@ def _run_guarded(fn):
         return fn()
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]}
-
-
-# ---------------------------------------------------------------------------------------------
-# output
-
-
-def _mb(x) -> str:
-    return "-" if x is None else f"{x / 2**20:.2f}"
-
-
-def summarize(row: dict) -> dict:
-    """One flat line of a row for the table: times, ratio, bytes vs theory, memory vs formula."""
-    a, b, th = row.get("a", {}), row.get("b", {}), row.get("theory", {})
-    out = {"name": row["name"], "a": a.get("label", "error"), "b": b.get("label", "error")}
-    out["a_ms"] = a["median_s"] * 1e3 if "median_s" in a else None
-    out["b_ms"] = b["median_s"] * 1e3 if "median_s" in b else None
-    out["ratio"] = row.get("ratio")
-    rr = row.get("round_ratios") or []
-    out["ratio_spread"] = (min(rr), max(rr)) if rr else None
-    ranks = a.get("ranks") or []
-    if ranks and "comm" in ranks[0]:
-        out["a_bytes"] = ranks[0]["comm"]["bytes"]
-        out["a_calls"] = ranks[0]["comm"]["calls"]
-        out["a_backend_calls"] = ranks[0]["backend"]["calls"]
-    branks = b.get("ranks") or []
-    if branks and "comm" in branks[0]:
-        out["b_bytes"] = branks[0]["comm"]["bytes"]
-        out["b_calls"] = branks[0]["comm"]["calls"]
-    out["theory_bytes"] = th.get("bytes_rank0")
-    if out.get("a_bytes") is not None and out["theory_bytes"] is not None:
-        out["bytes_over_theory"] = out["a_bytes"] / out["theory_bytes"] if out["theory_bytes"] else float(out["a_bytes"] == 0)
-    if ranks and "state_bytes" in ranks[0]:
-        out["a_state"] = ranks[0]["state_bytes"]["total"]
-    if branks and "state_bytes" in branks[0]:
-        out["b_state"] = branks[0]["state_bytes"]["total"]
-    out["formula_state"] = th.get("state_formula")
-    out["plan_state"] = th.get("state_plan")
-    if out.get("a_state") and out.get("formula_state"):
-        out["state_over_formula"] = out["a_state"] / out["formula_state"]
-    for key, side in (("a", ranks), ("b", branks)):
-        mem = side[0].get("memory", {}) if side else {}
-        out[f"{key}_act"] = mem.get("activation")
-        out[f"{key}_peak"] = mem.get("peak_total")
-    out["errors"] = {k: row[k]["error"] for k in ("a", "b") if "error" in row.get(k, {})}
-    return out
-
-
-def print_table(rows: list[dict], title: str = "") -> str:
-    """The one table: per comparison, median step times, ratio (with its per-round spread), bytes
-    per step counted against theory, and rank 0's model-state and activation memory."""
-    lines = []
-    if title:
-        lines.append(title)
-    head = (f"{'comparison':<26} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'spread':>11} "
-            f"{'bytes/step MB':>13} {'theory MB':>9} {'b/th':>5} {'calls':>5} {'tcalls':>6} "
-            f"{'state MB':>8} {'formula':>8} {'s/f':>6} {'torch st':>8} {'act MB':>6} {'t act':>6} {'peak MB':>7} {'t peak':>6}")
-    lines.append(head)
-    lines.append("-" * len(head))
-    for row in rows:
-        s = summarize(row)
-        sp = s["ratio_spread"]
-        lines.append(
-            f"{s['name']:<26} {_f(s['a_ms'], 11, 1)} {_f(s['b_ms'], 9, 1)} {_f(s['ratio'], 6, 2)} "
-            f"{(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} {_mb(s.get('a_bytes')):>13} {_mb(s.get('theory_bytes')):>9} "
-            f"{_f(s.get('bytes_over_theory'), 5, 3)} {_i(s.get('a_calls'), 5)} {_i(s.get('b_calls'), 6)} "
-            f"{_mb(s.get('a_state')):>8} {_mb(s.get('formula_state')):>8} {_f(s.get('state_over_formula'), 6, 4)} "
-            f"{_mb(s.get('b_state')):>8} {_mb(s.get('a_act')):>6} {_mb(s.get('b_act')):>6} {_mb(s.get('a_peak')):>7} {_mb(s.get('b_peak')):>6}")
-        for k, msg in s["errors"].items():
-            lines.append(f"    {'shardlib' if k == 'a' else 'torch'} side failed: {msg.splitlines()[0][:200]}")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
-
-
-def _f(x, w, d) -> str:
-    return f"{'-':>{w}}" if x is None else f"{x:>{w}.{d}f}"
-
-
-def _i(x, w) -> str:
-    return f"{'-':>{w}}" if x is None else f"{x:>{w}d}"
-
-
-def write_outputs(name: str, result: dict, out_dir: str) -> dict[str, str]:
-    """Write ``<out_dir>/<name>.json`` and the plots ``<name>_time.png`` (median step time per
-    comparison with the interquartile range) and ``<name>_bytes.png`` (bytes counted vs theory)."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"json": os.path.join(out_dir, f"{name}.json")}
-    with open(paths["json"], "w") as f:
-        json.dump(result, f, indent=1, default=_json_default)
-    try:
-        paths.update(_plots(name, result["rows"], out_dir))
-    except Exception as exc:  # noqa: BLE001 - a plot failing must not lose the numbers
-        paths["plot_error"] = f"{type(exc).__name__}: {exc}"
-    return paths
-
-
-def _json_default(o):
-    if isinstance(o, Fraction):
-        return float(o)
-    if isinstance(o, torch.Tensor):
-        return o.tolist()
-    if hasattr(o, "__dataclass_fields__"):
-        return asdict(o)
-    return str(o)
-
-
-def _plots(name: str, rows: list[dict], out_dir: str) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = {}
-    labels = [r["name"] for r in rows]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows)), 3.6))
-    for off, key, color in ((-0.2, "a", "tab:blue"), (0.2, "b", "tab:orange")):
-        med = [r[key]["median_s"] * 1e3 if "median_s" in r.get(key, {}) else 0 for r in rows]
-        err = [r[key]["iqr_s"] * 1e3 / 2 if "iqr_s" in r.get(key, {}) else 0 for r in rows]
-        ax.bar([x + off for x in xs], med, 0.4, yerr=err, color=color, label="shardlib" if key == "a" else "PyTorch")
-    for x, r in zip(xs, rows):
-        if r.get("ratio"):
-            top = max(r["a"]["median_s"], r["b"]["median_s"]) * 1e3
-            ax.text(x, top * 1.02, f"{r['ratio']:.2f}", ha="center", fontsize=8)
-    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"{name}: shardlib vs PyTorch (ratio above bars)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths["time_png"] = os.path.join(out_dir, f"{name}_time.png")
-    fig.savefig(paths["time_png"], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(rows)), 3.6))
-    counted = [summarize(r).get("a_bytes") or 0 for r in rows]
-    torch_b = [summarize(r).get("b_bytes") or 0 for r in rows]
-    theory = [r.get("theory", {}).get("bytes_rank0") or 0 for r in rows]
-    ax.bar([x - 0.27 for x in xs], [c / 2**20 for c in counted], 0.27, label="shardlib counted")
-    ax.bar(list(xs), [t / 2**20 for t in theory], 0.27, label="theory")
-    ax.bar([x + 0.27 for x in xs], [c / 2**20 for c in torch_b], 0.27, label="PyTorch (dispatcher)")
-    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("MiB per rank per step")
-    ax.set_title(f"{name}: logical bytes communicated per step (rank 0)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths["bytes_png"] = os.path.join(out_dir, f"{name}_bytes.png")
-    fig.savefig(paths["bytes_png"], dpi=110)
-    plt.close(fig)
-    return paths
 
 
 _GROUP = {}
@@ -690,6 +551,10 @@ def worker_group(n: int = 2):
 def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str | None, nprocs: int = 2, **kwargs) -> dict:
     """Run ``worker(settings, **kwargs) -> list of rows`` on ``nprocs`` ranks, print the table,
     and write the JSON and plots; returns ``{"benchmark", "settings", "rows", "files"}``."""
+    if getattr(worker, "__module__", None) == "__main__":  # run as a script: send it by reference, not by value
+        import importlib
+
+        worker = getattr(importlib.import_module(f"benchmarks.{name}"), worker.__name__)
     t0 = time.perf_counter()
     rows = worker_group(nprocs).run(worker, settings, **kwargs)[0]
     result = {"benchmark": name, "settings": asdict(settings), "world_size": nprocs, "torch": torch.__version__,
