@@ -18,8 +18,9 @@ from .mesh import (
     pvary,
     reduce_scatter,
 )
+from .lazy import init_parameters
 from .mesh.regions import gather_from_region, scatter_to_region
-from .optim import ZeroOptimizer, clip_grad_norm_
+from .optim import GradScaler, ZeroOptimizer, clip_grad_norm_
 from .parallel import (
     ColumnParallelLinear,
     ParallelEmbedding,
@@ -27,6 +28,7 @@ from .parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from .parallel.offload import activation_offload
 from .plan import ChunkPlan, ParamPlan, Plan, plan
 from .shard import (
     PipelineModule,
@@ -79,6 +81,9 @@ __all__ = [
     "PipelineModule",
     "ZeroOptimizer",
     "clip_grad_norm_",
+    "GradScaler",
+    "activation_offload",
+    "init_parameters",
     "full_state_dict",
     "full_grads",
     "load_full_state_dict",

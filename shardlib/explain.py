@@ -47,6 +47,31 @@ def explain(plan, tokens: int | None = None) -> str:
         f"model state per rank: params {plan.param_bytes:,} B + grads {plan.grad_bytes:,} B + "
         f"optimizer {plan.optimizer_bytes:,} B ({plan.optimizer_states} states) = {plan.model_state_bytes:,} B"
     )
+    if plan.optimizer_offload:
+        lines.append(
+            f"optimizer offload (ZeRO-Offload): host memory per rank {plan.host_bytes:,} B (optimizer state "
+            f"{plan.optimizer_bytes:,} B + master and gradient copies of the updated shards); on the device "
+            f"{plan.device_state_bytes:,} B; the update runs on the CPU"
+        )
+    if plan.offload_ratio > 0:
+        lines.append(
+            f"activation offload: {plan.offload_ratio:.0%} of saved activation bytes moved to host memory in forward, "
+            f"{1 - plan.offload_ratio:.0%} kept on the device (sizes depend on the data; measured in "
+            "smodel.activation_offload.stats); parameters never move"
+        )
+    if plan.init_rules:
+        lines.append(f"lazy init: {len(plan.init_rules)} parameters materialized from the meta device, only local "
+                     f"shards, seed {plan.init_seed}")
+    mixed = [c for c in plan.chunks if c.mixed_compute or c.separate_grads]
+    if mixed:
+        compute = sum(c.padded_numel * c.compute_element_size for c in mixed if c.mixed_compute)
+        name = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        lines.append(
+            f"mixed precision: compute copies in {name(plan.param_dtype)} ({compute:,} B of full chunks"
+            + (", gathered per use" if stage == 3 else ", kept, refreshed after each step") + "); masters, gradients "
+            f"and optimizer state in {', '.join(sorted({name(c.dtype) for c in mixed}))}; gradients reduced in "
+            f"{name(plan.reduce_dtype) if plan.reduce_dtype else 'the master dtype'}"
+        )
     if plan.tp_layers:
         lines.append(
             f"tensor-parallel layers ({'sequence parallel' if plan.sequence_parallel else 'no sequence parallel'}); "

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import ShardingError
+from .lazy import missing_rule_error, resolve_init_rules
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
 from .spec import PartitionSpec, resolve_specs, shard_range
 
@@ -28,7 +29,8 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")
 _OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
-            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs"}
+            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
+            "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class ChunkPlan:
     Attributes:
         numel: elements used by parameters; ``padded_numel`` rounds up to a multiple of the
             data-axis size ``parts``; each rank owns ``shard_numel = padded_numel // parts``.
+        dtype: the dtype of the parameters, which the master copy and optimizer state keep.
+        compute_dtype: the dtype of the copy forward/backward use (``param_dtype``; ``None``:
+            ``dtype``). reduce_dtype: the dtype gradients are reduced in (``None``: ``dtype``).
     """
 
     index: int
@@ -94,6 +99,8 @@ class ChunkPlan:
     padded_numel: int
     parts: int
     tp_sharded: bool = False
+    compute_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     @property
     def shard_numel(self) -> int:
@@ -102,6 +109,27 @@ class ChunkPlan:
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def compute_element_size(self) -> int:
+        """Bytes per element of the compute copy (what all-gathers move)."""
+        return (self.compute_dtype or self.dtype).itemsize
+
+    @property
+    def reduce_element_size(self) -> int:
+        """Bytes per element of gradient reductions."""
+        return (self.reduce_dtype or self.dtype).itemsize
+
+    @property
+    def mixed_compute(self) -> bool:
+        """Forward/backward use a copy in another dtype than the (master) parameters."""
+        return self.compute_dtype is not None and self.compute_dtype != self.dtype
+
+    @property
+    def separate_grads(self) -> bool:
+        """Gradients are reduced in another dtype than the master's: reduced in a transient
+        buffer, then added into the master-dtype gradient shard."""
+        return self.reduce_dtype is not None and self.reduce_dtype != self.dtype
 
 
 @dataclass(frozen=True)
@@ -130,6 +158,12 @@ class Plan:
     sp_exit: str = ""
     sp_grad_params: tuple[str, ...] = ()
     dropout_seed: int = 0
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    init_rules: tuple[tuple[str, tuple], ...] = ()  # meta-device init: (canonical name, rule); see shardlib.lazy
+    init_seed: int = 0
+    offload_ratio: float = 0.0  # fraction of saved activations moved to host (shardlib.parallel.offload)
+    optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -160,10 +194,15 @@ class Plan:
             chunks[idx]["params"].append(p.name)
             chunks[idx]["offsets"].append(chunks[idx]["numel"])
             chunks[idx]["numel"] += n
+        def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
+            return option if option is not None and dtype.is_floating_point and option != dtype else None
+
         return tuple(
             ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
                       offsets=tuple(c["offsets"]), numel=c["numel"],
-                      padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2])
+                      padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
+                      compute_dtype=mixed(c["group"][0], self.param_dtype),
+                      reduce_dtype=mixed(c["group"][0], self.reduce_dtype))
             for i, c in enumerate(chunks)
         )
 
@@ -219,19 +258,35 @@ class Plan:
 
     @property
     def param_bytes(self) -> int:
-        """Bytes of parameters stored per rank between steps (padding included)."""
-        if self.effective_stage == 3:
-            return sum(c.shard_numel * c.element_size for c in self.chunks)
-        return sum(c.padded_numel * c.element_size for c in self.chunks)
+        """Bytes of parameters stored per rank between steps (padding included).
+
+        With ``param_dtype`` (mixed precision) this is the masters plus the persistent compute
+        copies: stage 0 a full master and a full compute copy, stages 1-2 the master shard and a
+        full compute copy, stage 3 the master shard only (compute copies are gathered per use).
+        """
+        stage = self.effective_stage
+        total = 0
+        for c in self.chunks:
+            if stage == 3:
+                total += c.shard_numel * c.element_size
+            elif not c.mixed_compute:
+                total += c.padded_numel * c.element_size
+            else:
+                total += (c.padded_numel if stage == 0 else c.shard_numel) * c.element_size
+                total += c.padded_numel * c.compute_element_size
+        return total
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes of gradients stored per rank between backward and step."""
+        """Bytes of gradients stored per rank between backward and step (in the master dtype;
+        with a ``reduce_dtype`` other than the master's, stage 1 keeps only its shard)."""
         stage = self.effective_stage
-        trainable = [c for c in self.chunks if c.requires_grad]
-        if stage >= 2:
-            return sum(c.shard_numel * c.element_size for c in trainable)
-        return sum(c.padded_numel * c.element_size for c in trainable)
+        total = 0
+        for c in self.chunks:
+            if c.requires_grad:
+                full = stage == 0 or (stage == 1 and not c.separate_grads)
+                total += (c.padded_numel if full else c.shard_numel) * c.element_size
+        return total
 
     @property
     def optimizer_bytes(self) -> int:
@@ -244,6 +299,22 @@ class Plan:
     @property
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes per rank in host memory under ``optimizer_offload`` (ZeRO-Offload): the optimizer
+        state, a master copy of the shards the optimizer updates and their gradients; else 0."""
+        if not self.optimizer_offload:
+            return 0
+        stage = self.effective_stage
+        master = sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size for c in self.chunks if c.requires_grad)
+        return self.optimizer_bytes + 2 * master
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Model-state bytes per rank on the compute device: ``model_state_bytes`` less the
+        optimizer state when it is offloaded."""
+        return self.model_state_bytes - (self.optimizer_bytes if self.optimizer_offload else 0)
 
     def comm_per_step(self, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
         """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step; see
@@ -290,13 +361,23 @@ def _check_options(options: dict) -> None:
         raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(_OPTIONS)}")
 
 
+def _check_dtype(option: str, value: Any) -> torch.dtype | None:
+    """``value`` if it is None or a floating-point dtype torch computes in (not float8)."""
+    if value is None or value in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        return value
+    raise ShardingError(
+        f"{option} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32) or None, "
+        f"got {value!r}{' (a string)' if isinstance(value, str) else ''}. Fix: pass e.g. {option}=torch.bfloat16"
+    )
+
+
 def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan:
     """Check ``specs`` against ``mesh`` and ``model`` and decide every parameter's layout.
 
     Moves nothing and communicates nothing; deterministic, so every rank gets the same plan.
 
     Args:
-        model: the module to shard (on CPU or CUDA; not yet on the meta device).
+        model: the module to shard (on CPU or CUDA, or wholly on the meta device with init rules).
         mesh: a :class:`~shardlib.Mesh` or :class:`~shardlib.AbstractMesh`.
         specs: glob pattern -> PartitionSpec rules (see :func:`shardlib.spec.resolve_specs`);
             a spec along a data axis means ZeRO-3 storage for that parameter.
@@ -319,6 +400,33 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             Hugging Face reshapes by the full length); default: the output layer gathers.
         dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
             (:mod:`shardlib.random`); default 0.
+        init_rules: for a model built on the meta device, ``{glob: rule}`` or
+            ``(name, param) -> rule`` (rules ``("normal", std)``, ``("uniform", lo, hi)``,
+            ``("zeros",)``, ...); the model's ``shardlib_init_rules()`` is used after it. Each rank
+            materializes only its shards, equal to :func:`shardlib.lazy.init_parameters` on one
+            device (see :mod:`shardlib.lazy`).
+        init_seed: the seed of that initialization; default 0.
+        offload_ratio: fraction in [0, 1] of saved activation bytes moved to host memory in
+            forward and back in backward (haiscale's ``CPUOffload``; :mod:`shardlib.parallel.offload`);
+            default 0.
+        optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
+            2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
+        param_dtype: mixed precision (the semantics of FSDP2's ``MixedPrecisionPolicy``;
+            Micikevicius et al., arXiv 1710.03740): forward and backward run on copies of the
+            floating parameters in this dtype (``torch.bfloat16`` or ``torch.float16``), while
+            the master weights, gradients and optimizer state stay in the parameters' own dtype
+            (fp32) on the ZeRO shards. Stage 3 casts its shard and all-gathers in
+            ``param_dtype`` (half the bytes of fp32); stages 0-2 keep a full compute copy,
+            refreshed from the masters after every optimizer step. The module's parameters
+            (``p.data``) are the compute copies; floating-point tensors among the inputs of
+            ``smodel(...)`` are cast to ``param_dtype`` (FSDP2's ``cast_forward_inputs``), outputs
+            are left as computed; buffers are not cast (cast them yourself if the model needs it).
+            ``None`` (default): no mixed precision.
+        reduce_dtype: the dtype gradients are reduced in, over the data axes and, for parameters
+            replicated over a tensor axis whose gradient is summed over it (norm weights under
+            sequence parallelism), over that axis; they are then added into the master-dtype
+            gradient shard. Default: the master dtype (fp32 reduction; unlike FSDP2, whose
+            default is ``param_dtype``). Use :class:`~shardlib.GradScaler` with ``float16``.
 
     Returns:
         The :class:`Plan`.
@@ -329,7 +437,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             axis with zero_stage < 3; a tensor-parallel layout that
             cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis of size > 1
             that nothing uses; a pattern matching no
-            parameter; conflicting specs on a tied parameter; a parameter on the meta device.
+            parameter; conflicting specs on a tied parameter; a parameter on the meta device with
+            no init rule (or a model only partly on meta); an ``offload_ratio`` outside [0, 1];
+            a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``.
 
     Example:
         >>> from shardlib.mesh import AbstractMesh
@@ -363,6 +473,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             f"SGD with momentum 1), got {optimizer_states!r}"
         )
     optimizer_states = int(optimizer_states)
+    dtypes = {key: _check_dtype(key, options.get(key)) for key in ("param_dtype", "reduce_dtype")}
 
     resolved = resolve_specs(model, specs, options.get("logical_axis_rules"), strict=options.get("strict_specs", True))
     pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
@@ -373,6 +484,18 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     for name, prm in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(prm), []).append(name)
         params[id(prm)] = prm
+    params_meta = any(p.device.type == "meta" for p in params.values())
+    init_rules = resolve_init_rules(model, options.get("init_rules"), list(names_of.values())) if params_meta else {}
+    if params_meta and not all(p.device.type == "meta" for p in params.values()):
+        name = next(n[0] for k, n in names_of.items() if params[k].device.type != "meta")
+        raise ShardingError(
+            f"some parameters are on the meta device and some are not (e.g. {name} on {params[id(model.get_parameter(name))].device}); "
+            "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
+        )
+    offload_ratio = options.get("offload_ratio", 0.0)
+    if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:
+        raise ShardingError(f"offload_ratio must be a number in [0, 1] (fraction of saved activations moved to host), got {offload_ratio!r}")
+    offload_ratio = float(offload_ratio)
 
     # Validate every spec against the mesh and its tensor.
     spec_names_data_axis = False
@@ -380,11 +503,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     for key, names in names_of.items():
         prm = params[key]
         spec, source = resolved[names[0]]
-        if prm.device.type == "meta":
-            raise ShardingError(
-                f"parameter {names[0]} of shape {tuple(prm.shape)} is on the meta device; shard() needs "
-                "materialized parameters (meta-device init is not supported yet). Fix: build the model on CPU"
-            )
+        if prm.device.type == "meta" and names[0] not in init_rules:
+            raise missing_rule_error(names[0], tuple(prm.shape))
         if len(spec) > prm.dim():
             raise ShardingError(
                 f"the spec {spec} ({source}) of parameter {names[0]} has {len(spec)} entries, but the parameter "
@@ -470,6 +590,12 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         sp_exit=sp_exit,
         sp_grad_params=sp_grad_params,
         dropout_seed=int(options.get("dropout_seed", 0)),
+        param_dtype=dtypes["param_dtype"],
+        reduce_dtype=dtypes["reduce_dtype"],
+        init_rules=tuple((n, r) for n, r in init_rules.items() if params_meta),
+        init_seed=int(options.get("init_seed", 0)),
+        offload_ratio=offload_ratio,
+        optimizer_offload=bool(options.get("optimizer_offload", False)),
         mesh=mesh,
     )
 

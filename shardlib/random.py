@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["counter_uniform", "counter_normal_", "MeshDropout", "mesh_independent_dropout"]
+__all__ = ["counter_uniform", "counter_normal_", "counter_values", "MeshDropout", "mesh_independent_dropout"]
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -70,6 +70,55 @@ def counter_uniform(seed: int, stream: int, counter: int, local_shape: Sequence[
     idx = _global_index(tuple(local_shape), global_shape, offsets, device)
     bits = _mix(idx ^ _key(seed, stream, counter))
     return _srl(bits, 40).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _uniform_at(seed: int, stream: int, counter: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float32 at the int64 global flat ``index`` (any shape); equal to
+    ``counter_uniform`` at those indices, computed in place (two int64 temporaries)."""
+    x = index ^ _key(seed, stream, counter)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        t = x >> shift
+        t &= (1 << (64 - shift)) - 1
+        x ^= t
+        del t
+        if mult is not None:
+            x.mul_(mult)
+    x >>= 40
+    x &= (1 << 24) - 1
+    return x.to(torch.float32).mul_(1.0 / (1 << 24))
+
+
+def counter_values(kind: str, args: Sequence[float], seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Initial values at the int64 global flat ``index`` of a tensor, by counter.
+
+    Each element's value is a pure function of (seed, stream, its global flat index), so any
+    block of a tensor (a tensor-parallel slice, a ZeRO shard of a flat chunk) is filled with
+    exactly the values the whole tensor would get on one device.
+
+    Args:
+        kind: ``"normal"`` (``args = (std,)`` or ``(std, mean)``; Box-Muller as
+            :func:`counter_normal_`), ``"uniform"`` (``(low, high)``), ``"zeros"``, ``"ones"``,
+            ``"constant"`` (``(value,)``).
+        index: int64 global flat indices (row-major over the global shape), any shape.
+
+    Returns:
+        float32 tensor of ``index``'s shape.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind == "normal":
+        # sqrt(-2 log(1 - u1)) cos(2 pi u2), in place, the same operations as counter_normal_
+        z = _uniform_at(seed, stream, 0, index).neg_().log1p_().mul_(-2.0).sqrt_()
+        z.mul_(_uniform_at(seed, stream, 1, index).mul_(2 * math.pi).cos_()).mul_(float(args[0]))
+        return z.add_(float(args[1])) if len(args) > 1 and args[1] else z
+    if kind == "uniform":
+        lo, hi = float(args[0]), float(args[1])
+        return _uniform_at(seed, stream, 0, index) * (hi - lo) + lo
+    if kind in ("zeros", "ones", "constant"):
+        value = {"zeros": 0.0, "ones": 1.0}.get(kind) if kind != "constant" else float(args[0])
+        return torch.full(index.shape, value, dtype=torch.float32, device=index.device)
+    raise ValueError(f"unknown init kind {kind!r}; use 'normal', 'uniform', 'zeros', 'ones' or 'constant'")
 
 
 def counter_normal_(tensor: torch.Tensor, std: float, seed: int, stream: int,

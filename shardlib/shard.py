@@ -13,6 +13,7 @@ from .errors import ShardingError
 from .mesh.regions import _uneven_gather
 from .spec import shard_range
 from .parallel.tensor_lower import lower_tensor_parallel
+from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .plan import Plan, plan
@@ -51,22 +52,45 @@ class ShardedModule(nn.Module):
             if plan.sequence_parallel:
                 axis = plan.tp_layers[0].axis
                 drop.seq_parts, drop.seq_index = plan.mesh.size(axis), plan.mesh.index(axis)
-        self._zero = ZeroRuntime(module, plan, plan.mesh)
+        lazy = None
+        if plan.init_rules:  # built on meta: placeholders now, local shards filled by ZeroRuntime
+            from .lazy import LazyInit, default_device, materialize_meta
+
+            materialize_meta(module, default_device(), plan.mesh)
+            lazy = LazyInit(plan)
+        self._zero = ZeroRuntime(module, plan, plan.mesh, lazy)
+        # haiscale CPUOffload semantics; an activation_offload() context around a call wins
+        self.activation_offload = ActivationOffload(plan.offload_ratio) if plan.offload_ratio > 0 else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         zero = self._zero
+        if self.plan.param_dtype is not None:  # FSDP2's cast_forward_inputs
+            args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
         zero.root_pre_forward()
         try:
-            if zero.stage == 3 and torch.is_grad_enabled():
-                with torch.autograd.graph.saved_tensors_hooks(zero.pack, zero.unpack):
+            inner = (zero.pack, zero.unpack) if zero.stage == 3 else None
+            off = current_activation_offload() or self.activation_offload
+            if off is not None and torch.is_grad_enabled():
+                off.begin_forward()
+                with off.apply(inner, self._chunk_storage_test()):
+                    return self.module(*args, **kwargs)
+            if inner is not None and torch.is_grad_enabled():
+                with torch.autograd.graph.saved_tensors_hooks(*inner):
                     return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
         finally:
             zero.root_post_forward()
 
+    def _chunk_storage_test(self):
+        """``t -> bool``: does ``t`` live in a ZeRO chunk (a parameter, never offloaded)?"""
+        ptrs = {t.untyped_storage().data_ptr() for c in self._zero.chunks for t in (c.full, c.shard)}
+        ptrs.discard(0)
+        return lambda t: t.untyped_storage().data_ptr() in ptrs
+
     def state_dict(self, *args: Any, **kwargs: Any):
         """The module's state dict; under ZeRO-3 parameters are sharded flat chunks, so this
-        raises: use :func:`full_state_dict` (a collective, on every rank)."""
+        raises: use :func:`full_state_dict` (a collective, on every rank). With ``param_dtype``
+        the module's parameters are the compute copies (``param_dtype``), not the masters."""
         if self._zero.stage == 3:
             raise RuntimeError(
                 "state_dict() of a ZeRO-3 sharded module: its parameters are flat shards, not tensors of their "
@@ -267,6 +291,13 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
     return plan(model, mesh, specs, **options).apply(model)
 
 
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor leaf cast to ``dtype``."""
+    import optree
+
+    return optree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 def _require_sharded(smodel: Any, fn: str) -> ShardedModule:
     if not isinstance(smodel, ShardedModule):
         raise TypeError(f"{fn}() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
@@ -424,14 +455,7 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
             local = torch.cat([full.narrow(d, b * block + lo, hi - lo) for b in range(k)], dim=d)
         flat = local.reshape(-1)
         c, off = plan.placement[pp.name]
-        chunk = zero.chunks[c]
-        if zero.stage == 3:
-            lo, hi = chunk.slot.start, chunk.slot.stop
-            a, b = max(lo, off), min(hi, off + flat.numel())
-            if a < b:
-                chunk.shard[a - lo : b - lo].copy_(flat[a - off : b - off])
-        else:
-            chunk.full[off : off + flat.numel()].copy_(flat)
+        zero.write_full(zero.chunks[c], off, flat)  # master shard and compute copy
     buffers = dict(smodel.module.named_buffers())
     for name, buf in buffers.items():
         if name in state_dict:

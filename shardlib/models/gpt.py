@@ -197,6 +197,20 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         # nn.LayerNorm keeps its default init: weight 1, bias 0
 
+    def shardlib_init_rules(self) -> dict[str, tuple]:
+        """The initialization above as mesh-independent rules (glob -> rule, first match wins),
+        for a model built on the meta device (:mod:`shardlib.lazy`): ``shard(meta_gpt, ...)``
+        and ``shardlib.lazy.init_parameters(gpt, seed)`` give equal tensors for any mesh.
+        The distributions are GPT-2's; the values are drawn by counter, not torch's RNG."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        return {
+            "blocks.*.attn.o_proj.weight": ("normal", residual_std),
+            "blocks.*.mlp.fc_out.weight": ("normal", residual_std),
+            "*ln_*.weight": ("ones",),
+            "*.bias": ("zeros",),
+            "*.weight": ("normal", 0.02),
+        }
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameter elements, each shared tensor counted once.
 

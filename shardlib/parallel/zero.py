@@ -51,34 +51,47 @@ _REDUCE = 1
 class _Chunk:
     """Runtime state of one planned chunk."""
 
-    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int):
+    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int, lazy=None):
         self.plan = plan
         self.index = plan.index
         self.params = params  # (param, offset), unique params in order
         self.trainable = plan.requires_grad
         p, s = plan.padded_numel, plan.shard_numel
-        self.full = torch.zeros(p, dtype=plan.dtype, device=params[0][0].device)
-        for prm, off in params:
-            self.full[off : off + prm.numel()].copy_(prm.detach().reshape(-1))
         slot = slice(data_index * s, (data_index + 1) * s)
+        if lazy is not None:  # built on the meta device: initialise only what this rank stores
+            self.full, owned = lazy.allocate(plan, slot if stage == 3 else slice(0, p), params[0][0].device)
+        else:
+            self.full = torch.zeros(p, dtype=plan.dtype, device=params[0][0].device)
+            for prm, off in params:
+                self.full[off : off + prm.numel()].copy_(prm.detach().reshape(-1))
         self.slot = slot
         if stage == 3:
-            self.shard = self.full[slot].clone()
+            self.shard = owned if lazy is not None else self.full[slot].clone()
         elif stage == 0:
             self.shard = self.full
         else:
             self.shard = self.full[slot]
+        # Mixed precision: ``shard`` keeps the master values (stage 0: the full chunk), ``full``
+        # becomes the compute copy in ``compute_dtype`` that the parameters view.
+        self.mixed = plan.mixed_compute or plan.separate_grads
+        self.separate_grads = plan.separate_grads
+        if plan.mixed_compute:
+            if stage in (1, 2):
+                self.shard = self.shard.clone()
+            self.full = self.full.to(plan.compute_dtype)
         for prm, off in params:
             prm.data = self.full[off : off + prm.numel()].view(prm.shape)
+        if lazy is not None and stage == 3:
+            self.full.untyped_storage().resize_(0)  # never filled: gathered before its first use
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.opt_param: nn.Parameter | None = None
         if self.trainable:
-            if stage in (0, 1):
-                self.grad_full = torch.zeros_like(self.full)
-            if stage == 0:
+            if stage in (0, 1) and not self.separate_grads:
+                self.grad_full = self.new_grad_full()
+            if stage == 0 and not self.separate_grads:
                 self.grad_shard = self.grad_full
-            elif stage == 1:
+            elif stage == 1 and not self.separate_grads:
                 self.grad_shard = self.grad_full[slot]
             else:
                 self.grad_shard = torch.zeros_like(self.shard)
@@ -96,6 +109,10 @@ class _Chunk:
     def nbytes(self) -> int:
         return self.full.numel() * self.full.element_size()
 
+    def new_grad_full(self) -> torch.Tensor:
+        """A zero unreduced-gradient buffer for the whole chunk, in the reduction dtype."""
+        return torch.zeros(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
+
 
 class ZeroRuntime:
     """Installs ZeRO on ``model`` as ``plan`` says; used by ShardedModule and ZeroOptimizer.
@@ -104,9 +121,11 @@ class ZeroRuntime:
         model: the module; its parameters become views into flat chunks.
         plan: the :class:`~shardlib.plan.Plan` (``zero_stage``, ``data_axes``, chunks).
         mesh: the :class:`~shardlib.Mesh` the data axes belong to.
+        lazy: for a model built on ``meta``, a :class:`shardlib.lazy.LazyInit` that fills each
+            chunk's locally stored elements (no broadcast; stage 3 never allocates a full chunk).
     """
 
-    def __init__(self, model: nn.Module, plan, mesh):
+    def __init__(self, model: nn.Module, plan, mesh, lazy=None):
         self.model, self.plan, self.mesh = model, plan, mesh
         self.stage = plan.effective_stage
         self.axes = plan.data_axes
@@ -124,7 +143,7 @@ class ZeroRuntime:
             mesh.group(self.axes, _REDUCE)  # created now, collectively, on every rank
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
-            for ms in members:
+            for ms in members if lazy is None else ():  # lazy init is the same on every rank by construction
                 flat = torch.cat([p.detach().reshape(-1) for p, _ in ms])
                 raw_broadcast(flat, mesh, self.axes)
                 for p, off in ms:
@@ -132,7 +151,7 @@ class ZeroRuntime:
                     with torch.no_grad():
                         p.copy_(flat[start : start + p.numel()].view(p.shape))
             self.broadcast_buffers()
-        self.chunks = [_Chunk(c, members[c.index], self.stage, index) for c in plan.chunks]
+        self.chunks = [_Chunk(c, members[c.index], self.stage, index, lazy) for c in plan.chunks]
         self.param_offset: dict[int, int] = {}  # element offset of each parameter in its chunk
         for chunk in self.chunks:
             for prm, off in chunk.params:
@@ -140,6 +159,14 @@ class ZeroRuntime:
                 self.param_offset[id(prm)] = off
         if self.stage == 0:
             self._attach_grad_views()
+        self._tp_grad_sum: dict[int, str] = {}  # id(param) -> tensor axis its gradient is summed over
+        for chunk in self.chunks:
+            for prm, _ in chunk.params if chunk.mixed and chunk.trainable else ():
+                handle = getattr(prm, "_shardlib_grad_sum_hook", None)
+                if handle is not None:  # summed here instead, in the reduction dtype
+                    handle.remove()
+                    prm._shardlib_grad_sum_hook = None
+                    self._tp_grad_sum[id(prm)] = prm._shardlib_grad_sum
         self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
         self._next_reduce = 0
         self._callback_queued = False
@@ -163,7 +190,7 @@ class ZeroRuntime:
 
     def _attach_grad_views(self) -> None:
         for chunk in self.chunks:
-            if chunk.trainable:
+            if chunk.trainable and not chunk.mixed:
                 for prm, off in chunk.params:
                     prm.grad = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
 
@@ -173,7 +200,7 @@ class ZeroRuntime:
         self._queue_callback()
         off = self.param_offset[id(prm)]
         n = prm.numel()
-        if self.stage == 0:
+        if self.stage == 0 and not chunk.mixed:
             view = chunk.grad_full[off : off + n]
             if prm.grad.data_ptr() != view.data_ptr():  # grads were set to None by someone
                 view.add_(prm.grad.reshape(-1))
@@ -182,11 +209,16 @@ class ZeroRuntime:
             if self.stage == 3:
                 self._backward_touch(chunk)
             if chunk.grad_full is None:
-                chunk.grad_full = torch.zeros_like(chunk.full)
-            elif self.stage == 1 and chunk.reduced and chunk.carry is None:
+                chunk.grad_full = chunk.new_grad_full()
+            elif self.stage == 1 and chunk.reduced and chunk.carry is None and not chunk.separate_grads:
                 chunk.carry = chunk.grad_shard.clone()  # reduced grads of an earlier sync step
                 chunk.grad_full.zero_()
-            chunk.grad_full[off : off + n].add_(prm.grad.reshape(-1))
+            grad = prm.grad.reshape(-1)
+            axis = self._tp_grad_sum.get(id(prm))
+            if axis is not None:  # replicated over a tensor axis, a partial sum on each rank
+                grad = grad.to(chunk.grad_full.dtype, copy=True)
+                raw_all_reduce(grad, self.mesh, axis)
+            chunk.grad_full[off : off + n].add_(grad)  # cast into the reduction dtype
             prm.grad = None
         chunk.ready.add(id(prm))
         if len(chunk.ready) == chunk.n_trainable:
@@ -210,17 +242,21 @@ class ZeroRuntime:
             self._next_reduce += 1
 
     def _launch_reduce(self, chunk: _Chunk) -> None:
-        if self.stage == 0:
+        if self.stage == 0 and not chunk.separate_grads:
             chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
                                                  channel=_REDUCE)
             return
         if chunk.grad_full is None:
-            chunk.grad_full = torch.zeros_like(chunk.full)
-        if self.stage == 1:
+            chunk.grad_full = chunk.new_grad_full()
+        if self.stage == 0:  # separate reduction dtype: all-reduced aside, added into the master grads
+            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
+                                                 channel=_REDUCE)
+            chunk.reduce_tmp = chunk.grad_full
+        elif self.stage == 1 and not chunk.separate_grads:
             chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes, async_op=True,
                                                      op="avg", channel=_REDUCE)
         else:
-            tmp = torch.empty_like(chunk.grad_shard)
+            tmp = torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
             chunk.reduce_handle = raw_reduce_scatter(tmp, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
                                                      channel=_REDUCE)
             chunk.reduce_tmp = tmp
@@ -230,7 +266,7 @@ class ZeroRuntime:
             return
         chunk.reduce_handle.wait()
         chunk.reduce_handle = None
-        if self.stage == 1:
+        if self.stage == 1 and not chunk.separate_grads:
             s = chunk.slot
             chunk.grad_full[: s.start].zero_()
             chunk.grad_full[s.stop :].zero_()
@@ -238,8 +274,8 @@ class ZeroRuntime:
                 chunk.grad_shard.add_(chunk.carry)
                 chunk.carry = None
             chunk.reduced = True
-        elif self.stage >= 2:
-            chunk.grad_shard.add_(chunk.reduce_tmp)
+        elif self.stage >= 2 or chunk.separate_grads:
+            chunk.grad_shard.add_(chunk.reduce_tmp)  # cast into the master dtype
             chunk.reduce_tmp = None
             chunk.grad_full = None
 
@@ -273,7 +309,7 @@ class ZeroRuntime:
         chunk = self.param_chunk[id(prm)]
         off = self.param_offset[id(prm)]
         if chunk.grad_full is None:
-            chunk.grad_full = torch.zeros_like(chunk.full)
+            chunk.grad_full = chunk.new_grad_full()
         return chunk.grad_full[off : off + prm.numel()]
 
     def owned_grad_region(self, prm: nn.Parameter) -> torch.Tensor:
@@ -290,9 +326,9 @@ class ZeroRuntime:
             if not chunk.trainable:
                 continue
             chunk.grad_shard.zero_()
-            if chunk.grad_full is not None and self.stage in (0, 1):
+            if chunk.grad_full is not None and self.stage in (0, 1) and not chunk.separate_grads:
                 chunk.grad_full.zero_()
-            elif self.stage >= 2:
+            elif self.stage >= 2 or chunk.separate_grads:
                 chunk.grad_full = None
             chunk.carry, chunk.reduced = None, False
         if self.stage == 0:
@@ -313,11 +349,28 @@ class ZeroRuntime:
         return self.stage == 0
 
     def after_step(self) -> None:
-        """Bring updated shards back into the full parameters (stages 1 and 2)."""
-        if self.stage in (1, 2):
-            handles = [raw_all_gather(c.full, c.shard, self.mesh, self.axes, async_op=True) for c in self.chunks if c.trainable]
+        """Bring updated shards back into the full parameters (stages 1 and 2) and refresh the
+        compute copies of mixed precision from the masters (cast, then gathered in their dtype)."""
+        self.refresh([c for c in self.chunks if c.trainable])
+
+    def refresh(self, chunks: list[_Chunk]) -> None:
+        """Rebuild the parameters the model uses (``chunk.full``) from the masters (``chunk.shard``)."""
+        if self.stage == 0:
+            for c in chunks:
+                if c.full.data_ptr() != c.shard.data_ptr():
+                    c.full.copy_(c.shard)
+        elif self.stage in (1, 2):
+            handles = [raw_all_gather(c.full, self._cast_into_slot(c), self.mesh, self.axes, async_op=True) for c in chunks]
             for h in handles:
                 h.wait()
+
+    @staticmethod
+    def _cast_into_slot(chunk: _Chunk) -> torch.Tensor:
+        """This rank's slot of ``chunk.full`` holding its master shard (cast to the compute dtype)."""
+        slot = chunk.full[chunk.slot]
+        if slot.data_ptr() != chunk.shard.data_ptr():
+            slot.copy_(chunk.shard)
+        return slot
 
     # -- stage 3: parameter gathering ----------------------------------------------------------
     def _setup_stage3(self) -> None:
@@ -343,7 +396,8 @@ class ZeroRuntime:
         if chunk.gathered:
             return
         chunk.full.untyped_storage().resize_(chunk.nbytes)
-        chunk.gather_handle = raw_all_gather(chunk.full, chunk.shard, self.mesh, self.axes, async_op=True)
+        src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
+        chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True)
         chunk.gathered = True
         self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
 
@@ -426,17 +480,31 @@ class ZeroRuntime:
 
     # -- full tensors ----------------------------------------------------------------------------
     def full_chunk(self, chunk: _Chunk) -> torch.Tensor:
-        """A full copy of a chunk's parameters (gathers under stage 3)."""
-        if self.stage != 3:
+        """A full copy of a chunk's (master) parameters (gathers under stage 3, and under stages
+        1-2 with mixed precision, where the master is only this rank's shard)."""
+        if self.stage == 0:
+            return chunk.shard.clone()
+        if self.stage != 3 and chunk.full.dtype == chunk.shard.dtype:
             return chunk.full.clone()
         out = chunk.shard.new_empty(chunk.plan.padded_numel)
         raw_all_gather(out, chunk.shard, self.mesh, self.axes)
         return out
 
+    def write_full(self, chunk: _Chunk, off: int, flat: torch.Tensor) -> None:
+        """Set the elements ``[off, off + flat.numel())`` of ``chunk`` from full values, in every
+        copy this rank holds (master shard, compute copy); no communication."""
+        lo = chunk.slot.start if self.stage >= 1 else 0
+        hi = lo + chunk.shard.numel()
+        a, b = max(lo, off), min(hi, off + flat.numel())
+        if a < b:
+            chunk.shard[a - lo : b - lo].copy_(flat[a - off : b - off])
+        if self.stage != 3:  # the full parameters (the compute copy under mixed precision)
+            chunk.full[off : off + flat.numel()].copy_(flat)
+
     def full_grad_chunk(self, chunk: _Chunk) -> torch.Tensor:
         """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
         if self.stage == 0:
-            return chunk.grad_full.clone()
+            return chunk.grad_shard.clone()
         out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
         raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes)
         return out
