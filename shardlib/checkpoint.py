@@ -267,6 +267,18 @@ def _inner(optimizer):
     return optimizer.optimizer
 
 
+def _optimizer_params(smodel: ShardedModule, inner) -> dict[int, torch.Tensor]:
+    """``{chunk index: the tensor the optimizer updates for it}``: the chunk's flat shard, or its
+    host copy under optimizer offload (``ZeroOptimizer`` builds its groups in chunk order)."""
+    trainable = [c for c in smodel._zero.chunks if c.trainable]
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if len(params) != len(trainable) or any(p.shape != c.opt_param.shape for p, c in zip(params, trainable)):
+        raise CheckpointError(
+            f"checkpoint: the optimizer's {len(params)} parameters do not match the {len(trainable)} trainable chunks "
+            "of the module; pass the shardlib.ZeroOptimizer built for this module")
+    return {c.index: p for c, p in zip(trainable, params)}
+
+
 def _per_element(state: Any, opt_param: torch.Tensor) -> bool:
     return isinstance(state, torch.Tensor) and state.dim() > 0 and state.shape == opt_param.shape
 
@@ -293,6 +305,7 @@ def _rng_state() -> dict:
 
 def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[str, Any]:
     zero, inner = smodel._zero, _inner(optimizer)
+    updated = _optimizer_params(smodel, inner) if inner is not None else {}
     sd: dict[str, Any] = {}
     for pp, name, prm, skip in _entries(smodel):
         if skip:
@@ -302,7 +315,7 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
         sd[f"model.{name}"] = _Boxes(pp.global_shape, flat.dtype, _global_pieces(smodel, pp, a, b, flat))
         if inner is None or not chunk.trainable:
             continue
-        for key, state in inner.state.get(chunk.opt_param, {}).items():
+        for key, state in inner.state.get(updated[chunk.index], {}).items():
             if _per_element(state, chunk.opt_param):
                 a, b, flat = _region(smodel, pp, state)
                 sd[f"optim.{name}.{key}"] = _Boxes(pp.global_shape, state.dtype, _global_pieces(smodel, pp, a, b, flat))
@@ -457,7 +470,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
     zero = smodel._zero
     sd: dict[str, Any] = {}
     problems: list[str] = []
-    states: list[tuple[torch.Tensor, str, Any]] = []  # (opt_param, state key, tensor)
+    updated = _optimizer_params(smodel, inner) if inner is not None else {}
+    states: list[tuple[torch.Tensor, str, Any]] = []  # (optimizer's param, state key, tensors)
     new_state: dict[int, dict] = {}
     for pp, name, prm, _ in _entries(smodel):
         key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
@@ -475,14 +489,14 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
             continue
         prefix = f"optim.{key}."
         keys = [k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]]
-        fresh = new_state.setdefault(id(chunk.opt_param), {})
+        fresh = new_state.setdefault(chunk.index, {})
         for skey in keys:
             md = saved[prefix + skey]
             if not isinstance(md, TensorStorageMetadata):
                 continue
             if tuple(md.size) == pp.global_shape and len(md.size) > 0:
                 if skey not in fresh:
-                    fresh[skey] = torch.zeros_like(chunk.opt_param, dtype=md.properties.dtype)
+                    fresh[skey] = torch.zeros_like(updated[chunk.index], dtype=md.properties.dtype)
                 a, b, flat = _region(smodel, pp, fresh[skey])
                 sd[prefix + skey] = _Boxes(pp.global_shape, md.properties.dtype, _global_pieces(smodel, pp, a, b, flat))
             elif len(md.size) == 0:
@@ -491,7 +505,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
                     sd[prefix + skey] = fresh[skey]
             else:
                 problems.append(f"optimizer state {skey!r} of {pp.name}: shape {tuple(md.size)} in the checkpoint")
-        states.append((chunk.opt_param, prefix, fresh))
+        states.append((updated[chunk.index], prefix, fresh))
     for name, buf in _persistent_buffers(smodel).items():
         md = saved.get(f"model.{name}")
         if md is None:
@@ -523,6 +537,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
                 inner.state[opt_param] = fresh
         for group in inner.param_groups:
             group.update(got.get("optim.param_groups", [{}])[0])
+        offload = getattr(optimizer, "offload", None)
+        if offload is not None:  # ZeRO-Offload: host copies of the shards just loaded
+            offload.reload()
     rng = got.get(f"rng.{dist.get_rank()}")
     if rng is not None:
         torch.set_rng_state(rng["cpu"])

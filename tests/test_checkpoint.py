@@ -108,10 +108,10 @@ def _step(smodel, opt, kind, step):
     return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
 
 
-def _shard(kind, seed, shape, stage, chunk_size):
+def _shard(kind, seed, shape, stage, chunk_size, **options):
     mesh = shardlib.init_mesh(shape)
     specs = gpt_preset("tp").specs if "tp" in shape else None
-    options = dict(microbatches=2) if "pp" in shape else {}
+    options.update(dict(microbatches=2) if "pp" in shape else {})
     smodel = shardlib.shard(_make(kind, seed), mesh, specs, zero_stage=stage, chunk_size=chunk_size, **options)
     return smodel, shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
@@ -200,6 +200,40 @@ def test_pp2_dp2_to_dp4(tmp_path):
     -> one stage over dp=4 at stage 0."""
     whole = _round_trip(tmp_path, "gpt", ({"pp": 2, "dp": 2}, 2, 400), ({"dp": 4}, 0, 400))
     assert "model.wte.weight" in whole and "model.lm_head.weight" not in whole
+
+
+def _mixed_side(path, out, shape, stage, steps, **options):
+    """Train ``steps`` steps and save to ``out``, or (``path``) load and save at once; then take
+    step ``steps``. Returns its loss and the parameters the model computes with before it."""
+    smodel, opt = _shard("gpt", 0 if path is None else 9, shape, stage, 400, **options)
+    if path is None:
+        for s in range(steps):
+            _step(smodel, opt, "gpt", s)
+    else:
+        ckpt.load(path, smodel, opt)
+    ckpt.save(out, smodel, opt)
+    compute = {name: prm.detach().clone() for name, prm in smodel.module.named_parameters()}  # views of the chunks
+    return _step(smodel, opt, "gpt", steps), compute
+
+
+def test_mixed_precision_and_optimizer_offload(tmp_path):
+    """bf16 compute with fp32 masters: the checkpoint holds the fp32 masters and AdamW state
+    (from the host under optimizer offload); a ZeRO-1 bf16 run on 3 ranks loads them into masters
+    and compute copies; the same mesh and options as the saving run resume bit for bit."""
+    p1, p2, p3 = (str(tmp_path / f"ckpt{i}") for i in (1, 2, 3))
+    bf16 = dict(param_dtype=torch.bfloat16)
+    saved = run_on(2, _mixed_side, None, p1, {"dp": 2}, 2, 2, optimizer_offload=True, **bf16)
+    loaded = run_on(3, _mixed_side, p1, p2, {"dp": 3}, 1, 2, **bf16)
+    resumed = run_on(2, _mixed_side, p2, p3, {"dp": 2}, 2, 2, optimizer_offload=True, **bf16)
+    one, two, three = (_read_whole(p, tmp_path) for p in (p1, p2, p3))
+    assert one["model.wte.weight"].dtype == torch.float32 and one["optim.wte.weight.exp_avg"].dtype == torch.float32
+    for key in one:
+        assert torch.equal(one[key], two[key]) and torch.equal(one[key], three[key]), key
+    compute = loaded[0][1]  # ZeRO-1 keeps whole bf16 compute copies: loaded too, cast from the masters
+    assert compute.keys() <= {k[6:] for k in one}
+    for name, value in compute.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, one[f"model.{name}"].to(torch.bfloat16)), name
+    assert [r[0] for r in resumed] == [r[0] for r in saved]  # same mesh: the next loss bit for bit
 
 
 # -- atomic saves and clear errors ---------------------------------------------------------------
