@@ -33,9 +33,11 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
     if tokens is not None:
         mesh_shape = dict(plan.mesh_shape)
         itemsize = plan.params[0].dtype.itemsize if plan.params else 4
+        act_size = plan.param_dtype.itemsize if plan.param_dtype is not None else itemsize  # activations
+        grad_size = plan.reduce_dtype.itemsize if plan.reduce_dtype is not None else itemsize
         for c in tensor_parallel_collectives(plan):
             calls, total = out.setdefault((c.axis, c.kind), [0, 0.0])
-            nbytes = c.payload(tokens) * itemsize
+            nbytes = c.per_token * tokens * act_size + c.fixed * grad_size
             out[(c.axis, c.kind)] = [calls + micro_steps, total + micro_steps * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
     if clip:
         mesh_shape = dict(plan.mesh_shape)
@@ -53,7 +55,9 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
 
     def add(kind, chunk, times=1):
         calls, total = out.setdefault((axis, kind), [0, 0.0])
-        nbytes = chunk.padded_numel * chunk.element_size
+        # parameters are gathered in their compute dtype, gradients reduced in the reduction dtype
+        size = chunk.compute_element_size if kind == "all_gather" else chunk.reduce_element_size
+        nbytes = chunk.padded_numel * size
         out[(axis, kind)] = [calls + times, total + times * float(ring_bytes(kind, nbytes, n))]
 
     for c in plan.chunks:

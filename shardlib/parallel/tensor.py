@@ -46,7 +46,8 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
         raw_all_reduce(grad, mesh, axis)
         return grad
 
-    param.register_hook(hook)
+    # the handle lets ZeRO take the sum over under mixed precision (done in reduce_dtype there)
+    param._shardlib_grad_sum_hook = param.register_hook(hook)
     param._shardlib_grad_sum = axis
 
 
