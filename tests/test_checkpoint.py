@@ -77,6 +77,9 @@ def _make(kind, seed):
     if kind == "six":
         torch.manual_seed(seed)
         return SixLM()
+    if kind == "gpt2":
+        torch.manual_seed(seed)
+        return make_gpt2()
     return _gpt(seed)
 
 
@@ -99,6 +102,9 @@ def _step(smodel, opt, kind, step):
     if isinstance(smodel, shardlib.PipelineModule):
         losses, _ = smodel.forward_backward(xl, criterion=_ce, labels=(yl,))
         loss = shardlib.all_reduce(torch.stack(losses).mean() if losses is not None else torch.zeros(()), "pp")
+    elif kind == "gpt2":  # Hugging Face: output.logits
+        loss = _ce(smodel(xl).logits, yl)
+        loss.backward()
     else:
         _, loss = smodel(xl, yl)
         loss.backward()
@@ -112,6 +118,11 @@ def _shard(kind, seed, shape, stage, chunk_size, **options):
     mesh = shardlib.init_mesh(shape)
     specs = gpt_preset("tp").specs if "tp" in shape else None
     options.update(dict(microbatches=2) if "pp" in shape else {})
+    if kind == "gpt2" and "tp" in shape:
+        from shardlib.models import gpt2_preset
+
+        specs = gpt2_preset().specs
+        options.update(gpt2_preset().options)
     smodel = shardlib.shard(_make(kind, seed), mesh, specs, zero_stage=stage, chunk_size=chunk_size, **options)
     return smodel, shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
@@ -234,6 +245,14 @@ def test_mixed_precision_and_optimizer_offload(tmp_path):
     for name, value in compute.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, one[f"model.{name}"].to(torch.bfloat16)), name
     assert [r[0] for r in resumed] == [r[0] for r in saved]  # same mesh: the next loss bit for bit
+
+
+def test_hf_gpt2_fused_qkv_dp2_tp2_to_dp3(tmp_path):
+    """Hugging Face GPT-2: ``c_attn`` ``[C, 3C]`` holds q, k, v as 3 blocks each split over tp
+    (a rank's columns are 3 pieces of the global tensor), ZeRO-3 on dp=2 x tp=2 -> ZeRO-1 on dp=3."""
+    pytest.importorskip("transformers")
+    one = _round_trip(tmp_path, "gpt2", ({"dp": 2, "tp": 2}, 3, 500), ({"dp": 3}, 1, 500))
+    assert one["model.transformer.h.0.attn.c_attn.weight"].shape == (16, 48)
 
 
 # -- atomic saves and clear errors ---------------------------------------------------------------
