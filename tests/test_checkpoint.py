@@ -114,7 +114,7 @@ def _step(smodel, opt, kind, step):
     return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
 
 
-def _shard(kind, seed, shape, stage, chunk_size, **options):
+def _shard(kind, seed, shape, stage, chunk_size, meta=False, **options):
     mesh = shardlib.init_mesh(shape)
     specs = gpt_preset("tp").specs if "tp" in shape else None
     options.update(dict(microbatches=2) if "pp" in shape else {})
@@ -123,7 +123,13 @@ def _shard(kind, seed, shape, stage, chunk_size, **options):
 
         specs = gpt2_preset().specs
         options.update(gpt2_preset().options)
-    smodel = shardlib.shard(_make(kind, seed), mesh, specs, zero_stage=stage, chunk_size=chunk_size, **options)
+    if meta:  # built on the meta device: shard() materializes only the local shards
+        with torch.device("meta"):
+            model = _make(kind, seed)
+        options["init_seed"] = seed
+    else:
+        model = _make(kind, seed)
+    smodel = shardlib.shard(model, mesh, specs, zero_stage=stage, chunk_size=chunk_size, **options)
     return smodel, shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
 
@@ -136,8 +142,8 @@ def _save_side(path, kind, shape, stage, chunk_size, steps=2):
     return full, _step(smodel, opt, kind, steps)
 
 
-def _load_side(path, path2, kind, shape, stage, chunk_size, steps=2):
-    smodel, opt = _shard(kind, 7, shape, stage, chunk_size)  # other initial values
+def _load_side(path, path2, kind, shape, stage, chunk_size, steps=2, **options):
+    smodel, opt = _shard(kind, 7, shape, stage, chunk_size, **options)  # other initial values
     for group in opt.param_groups:
         group["lr"] = 123.0  # restored from the checkpoint
     extra = ckpt.load(path, smodel, opt)
@@ -156,12 +162,12 @@ def _read_whole(path, tmp_path):
     return {k: v for k, v in whole.items() if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor)}
 
 
-def _round_trip(tmp_path, kind, a, b):
-    """``a``/``b``: (shape, zero stage, chunk size)."""
+def _round_trip(tmp_path, kind, a, b, **load_options):
+    """``a``/``b``: (shape, zero stage, chunk size); ``load_options`` for the loading side."""
     p1, p2 = str(tmp_path / "ckpt1"), str(tmp_path / "ckpt2")
     size = lambda shape: int(torch.tensor(list(shape.values())).prod())  # noqa: E731
     saved = run_on(size(a[0]), _save_side, p1, kind, *a)
-    loaded = run_on(size(b[0]), _load_side, p1, p2, kind, *b)
+    loaded = run_on(size(b[0]), _load_side, p1, p2, kind, *b, **load_options)
     full_a, loss_a = saved[0]
     extra, full_b, loss_b = loaded[0]
     assert extra == {"step": 2}
@@ -202,8 +208,9 @@ def test_zero_size_shard(tmp_path, ranks, stage):
 
 
 def test_dp2_tp2_to_dp4(tmp_path):
-    """Megatron column/row/vocab-parallel GPT over dp=2 x tp=2 (ZeRO-1) -> ZeRO-3 over dp=4."""
-    _round_trip(tmp_path, "gpt", ({"dp": 2, "tp": 2}, 1, 400), ({"dp": 4}, 3, 400))
+    """Megatron column/row/vocab-parallel GPT over dp=2 x tp=2 (ZeRO-1) -> ZeRO-3 over dp=4, the
+    loading model built on the meta device (only its shards are ever allocated)."""
+    _round_trip(tmp_path, "gpt", ({"dp": 2, "tp": 2}, 1, 400), ({"dp": 4}, 3, 400), meta=True)
 
 
 def test_pp2_dp2_to_dp4(tmp_path):
