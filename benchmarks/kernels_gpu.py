@@ -285,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    run(device, dtypes, compile_ref=not args.no_compile)
+    return 0
+
+
+def run(device: torch.device, dtypes: list[torch.dtype], compile_ref: bool) -> list[dict]:
+    """Correctness for every dtype, then the timing table; returns its rows (tiny sizes off CUDA)."""
     import torch._dynamo as dynamo
 
     # each reference is compiled once per dtype and variant (up to 6): stay under the recompile
@@ -298,12 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         errs = check_correctness(dtype, device)
         print(f"{dtype}: correct, largest normwise error {max(errs.values()):.2e} ({max(errs, key=errs.get)})")
     for dtype in dtypes:
-        rows += benchmark(dtype, device, compile_ref=not args.no_compile)
+        rows += benchmark(dtype, device, compile_ref=compile_ref)
     _print(rows)
     print(f"GB/s: bytes the op must move / time. 'x vs NAME' = NAME's time / the kernel's (> 1: kernel faster). "
           f"{time.perf_counter() - t0:.0f} s")
-    return 0
-
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())
