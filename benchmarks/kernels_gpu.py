@@ -49,7 +49,7 @@ def _expect(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> flo
 
 def _sizes(device: torch.device, small: bool) -> dict:
     if small or device.type != "cuda":
-        return dict(adam_n=3000, rows=37, width=96, ce_rows=9, vocab=700)
+        return dict(adam_n=1500, rows=7, width=40, ce_rows=5, vocab=300)
     return dict(adam_n=1 << 26, rows=8192, width=4096, ce_rows=8192, vocab=32768)
 
 

@@ -42,8 +42,11 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 @pytest.fixture(autouse=True)
-def _no_reference(monkeypatch):
-    """Fail if an op silently falls back to its reference: these tests must run Triton."""
+def _no_reference(monkeypatch, request):
+    """Fail if an op silently falls back to its reference: these tests must run Triton (the GPU
+    check script compares with the references itself, and checks that Triton runs)."""
+    if request.node.name.startswith("test_gpu_check_script"):
+        return
     def boom(*a, **k):
         raise AssertionError("the torch reference ran where the Triton program should have")
     for mod, name in ((kadamw, "adamw_reference_"), (knorms, "norm_reference"), (knorms, "norm_backward_reference"),
@@ -288,3 +291,17 @@ def test_opcheck_triton_path():
                          1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0)),
     ):
         torch.library.opcheck(op, args, test_utils=checks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_check_script_runs_here(dtype, monkeypatch):
+    """benchmarks/kernels_gpu.py's correctness pass, on tiny shapes (the GPU run uses the same code)."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks.kernels_gpu import check_correctness
+
+    errs = check_correctness(dtype, torch.device("cpu"), small=True)
+    assert len(errs) >= 15 and max(errs.values()) < {torch.float32: 1e-5, torch.float16: 2e-3}[dtype]
+    assert "benchmarks" in sys.modules

@@ -334,6 +334,15 @@ def test_triton_kernels_in_interpreter():
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the benchmark itself")
+def test_gpu_check_script_says_it_needs_cuda(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE.parent))
+    from benchmarks.kernels_gpu import main
+
+    assert main([]) == 0
+    assert "needs CUDA" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA: bf16 kernels are checked on GPU only (the Triton interpreter computes bf16 "
