@@ -19,7 +19,9 @@ Init rules. Each parameter needs a rule ``(kind, *args)``: ``("normal", std)``,
    :class:`~shardlib.models.GPT` has one).
 
 A tied parameter matches under any of its names. The random stream of a parameter is the CRC-32
-of its canonical name (first in ``named_parameters()``); the seed is the ``init_seed`` option.
+of its canonical name (first in ``named_parameters()``), or of the name a rule ends with
+(``("normal", 0.02, "wte.weight")``: pipeline stages use it for a tied tensor that a later stage
+knows by its other name); the seed is the ``init_seed`` option.
 
 Buffers. A buffer built on ``meta`` is allocated on the device (full size, it is replicated) and
 must then be filled by its module: a module that owns meta buffers defines
@@ -62,10 +64,19 @@ def _check_rule(rule: Any, name: str) -> tuple:
             f"init rule {rule!r} for parameter {name} is not one of ('normal', std[, mean]), ('uniform', low, high), "
             "('zeros',), ('ones',), ('constant', value)"
         )
+    stream = (rule[-1],) if len(rule) > 1 and isinstance(rule[-1], str) else ()
+    numbers = rule[1 : len(rule) - len(stream)]
     lo, hi = _KINDS[rule[0]]
-    if not lo <= len(rule) - 1 <= hi:
+    if not lo <= len(numbers) <= hi:
         raise ShardingError(f"init rule {tuple(rule)!r} for parameter {name}: {rule[0]!r} takes {lo}-{hi} numbers")
-    return (str(rule[0]),) + tuple(float(a) for a in rule[1:])
+    return (str(rule[0]),) + tuple(float(a) for a in numbers) + stream
+
+
+def _split(rule: tuple, name: str) -> tuple[str, tuple, int]:
+    """``(kind, numbers, stream)``: a rule may end with the name whose stream it draws from."""
+    if len(rule) > 1 and isinstance(rule[-1], str):
+        return rule[0], rule[1:-1], stream_of(rule[-1])
+    return rule[0], rule[1:], stream_of(name)
 
 
 def resolve_init_rules(model: nn.Module, rules: Any = None, names: list[list[str]] | None = None) -> dict[str, tuple]:
@@ -175,11 +186,11 @@ class LazyInit:
             for s in self.plan.local_shape(pp):
                 n *= s
             a, b = max(lo, off), min(hi, off + n)
-            kind, *args = self.rules[name]
+            kind, args, stream = _split(self.rules[name], name)
             for s in range(a, b, _BLOCK):
                 e = min(b, s + _BLOCK)
                 idx = global_flat_index(pp, self.mesh_shape, self.coords, s - off, e - off, out.device)
-                out[s - lo : e - lo].copy_(counter_values(kind, args, self.seed, stream_of(name), idx))
+                out[s - lo : e - lo].copy_(counter_values(kind, args, self.seed, stream, idx))
 
     def allocate(self, chunk: Any, owned: slice, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(full, owned_values)`` of a chunk: ``owned`` covers the whole chunk (stages 0-2: the
@@ -300,11 +311,11 @@ def init_parameters(model: nn.Module, seed: int = 0, rules: Any = None, device: 
                 f"parameter {names[0]} of shape {tuple(prm.shape)} has no init rule. Fix: pass rules={{pattern: rule}} "
                 "or give the model a shardlib_init_rules() method"
             )
-        kind, *args = resolved[names[0]]
+        kind, args, stream = _split(resolved[names[0]], names[0])
         flat = prm.view(-1)
         for s in range(0, flat.numel(), _BLOCK):
             e = min(flat.numel(), s + _BLOCK)
             idx = torch.arange(s, e, dtype=torch.int64, device=prm.device)
-            flat[s:e].copy_(counter_values(kind, args, seed, stream_of(names[0]), idx))
+            flat[s:e].copy_(counter_values(kind, args, seed, stream, idx))
     return model
 

@@ -255,6 +255,11 @@ def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> P
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
     exact = {name: pp.spec for pp in full.params for name in (pp.name,) + pp.aliases}
     options.pop("logical_axis_rules", None)
+    if full.init_rules:  # meta-built: each stage takes the whole model's rule under every name
+        by_name = dict(full.init_rules)  # a rule ending in a name draws from that name's stream
+        rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))
+                 for pp in full.params for alias in (pp.name,) + pp.aliases}
+        options["init_rules"] = lambda name, _, rules=rules: rules.get(name)
     stage_plan = plan(stage, mesh, exact, pp_axis=axis, strict_specs=False, **options)
     return PipelineModule(stage, stage_plan, pipeline, tied)
 

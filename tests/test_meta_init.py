@@ -34,18 +34,19 @@ def _train(smodel, mesh, steps=2):
     return losses
 
 
-def _meta_worker(mesh_shape, stage, tp):
+def _meta_worker(mesh_shape, stage, tp, sp=False):
     mesh = shardlib.init_mesh(mesh_shape)
     specs = tp_specs() if tp else None
     with torch.device("meta"):
         meta = GPT(CFG)
-    smodel = shardlib.shard(meta, mesh, specs, zero_stage=stage, init_seed=5, chunk_size=3000)
+    opts = {"zero_stage": stage, "chunk_size": 3000, **({"sequence_parallel": True, "sp_exit": "ln_f"} if sp else {})}
+    smodel = shardlib.shard(meta, mesh, specs, init_seed=5, **opts)
     assert not any(p.device.type == "meta" for p in smodel.parameters())
     init_full = shardlib.full_state_dict(smodel)
     ref = init_parameters(GPT(CFG), seed=5).state_dict()
     mismatched = [k for k, v in ref.items() if not torch.equal(init_full[k], v)]
     # the same run from the materialized init: losses and parameters bitwise equal
-    twin = shardlib.shard(init_parameters(GPT(CFG), seed=5), mesh, specs, zero_stage=stage, chunk_size=3000)
+    twin = shardlib.shard(init_parameters(GPT(CFG), seed=5), mesh, specs, **opts)
     losses, twin_losses = _train(smodel, mesh), _train(twin, mesh)
     after, twin_after = shardlib.full_state_dict(smodel), shardlib.full_state_dict(twin)
     trained_equal = all(torch.equal(after[k], twin_after[k]) for k in after)
@@ -65,15 +66,71 @@ def test_meta_init_on_dp2_equals_single_device_init(stage):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [0, 3])
-def test_meta_init_on_dp2_tp2_equals_single_device_init(stage):
-    """dp=2 x tp=2 (Megatron column/row blocks, tied embedding): each rank fills only its
+@pytest.mark.parametrize("stage,sp", [(0, False), (3, True)])
+def test_meta_init_on_dp2_tp2_equals_single_device_init(stage, sp):
+    """dp=2 x tp=2 (Megatron column/row blocks, tied embedding; with sequence parallelism, whose
+    norm-weight gradient hooks must survive materialization): each rank fills only its
     tensor-parallel block (and, at stage 3, its ZeRO slice); the gathered tensors equal the
     one-device init and training matches the materialized run bitwise."""
-    results = run_on(4, _meta_worker, {"dp": 2, "tp": 2}, stage, True)
+    results = run_on(4, _meta_worker, {"dp": 2, "tp": 2}, stage, True, sp)
     for mismatched, losses, twin_losses, trained_equal, _, _ in results:
         assert mismatched == []
         assert losses == twin_losses and trained_equal
+
+
+def _mixed_worker():
+    mesh = shardlib.init_mesh({"dp": 2})
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    runs = []
+    for model in (meta, init_parameters(GPT(CFG), seed=5)):
+        smodel = shardlib.shard(model, mesh, zero_stage=3, init_seed=5, param_dtype=torch.bfloat16)
+        runs.append((_train(smodel, mesh), shardlib.full_state_dict(smodel)))
+    (losses, after), (twin_losses, twin_after) = runs
+    return losses == twin_losses and all(torch.equal(after[k], twin_after[k]) for k in after)
+
+
+@pytest.mark.multiprocess
+def test_meta_init_with_bf16_compute_copies():
+    """ZeRO-3 with param_dtype=bfloat16: fp32 master shards filled from meta, compute copies
+    made from them; training equals the materialized run bitwise."""
+    assert all(run_on(2, _mixed_worker))
+
+
+def _ce(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _pipeline_meta_worker():
+    mesh = shardlib.init_mesh({"pp": 2, "dp": 2})
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    runs = []
+    for model in (meta, init_parameters(GPT(CFG), seed=5)):
+        smodel = shardlib.shard(model, mesh, microbatches=2, zero_stage=3, init_seed=5)
+        init = shardlib.full_state_dict(smodel)
+        opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for step in range(2):
+            idx, tgt = (shardlib.distribute(t, mesh, smodel.batch_spec) for t in _batch(step))
+            out, _ = smodel.forward_backward(idx, criterion=_ce, labels=(tgt,))
+            opt.step()
+            opt.zero_grad()
+            losses.append(None if out is None else [x.item() for x in out])
+        runs.append((init, losses, shardlib.full_state_dict(smodel)))
+    ref = init_parameters(GPT(CFG), seed=5).state_dict()
+    (init, losses, after), (_, twin_losses, twin_after) = runs
+    return ([k for k in ref if not torch.equal(init[k], ref[k])], losses == twin_losses,
+            all(torch.equal(after[k], twin_after[k]) for k in after))
+
+
+@pytest.mark.multiprocess
+def test_meta_init_on_pipeline_with_tied_embedding():
+    """pp=2 x dp=2, ZeRO-3 stages: each stage materializes its layers; the LM head on the last
+    stage (tied to wte on the first, known there by its other name) draws from wte's stream, so
+    the full tensors equal the one-device init; training matches the materialized run bitwise."""
+    for mismatched, losses_equal, params_equal in run_on(4, _pipeline_meta_worker):
+        assert mismatched == [] and losses_equal and params_equal
 
 
 def test_global_flat_index_matches_tensor_parallel_slicing():
