@@ -89,8 +89,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             host memory and the update runs on the CPU; ``step()`` copies gradients down and the
             updated shards back. Default: the plan's ``optimizer_offload`` option. Results equal
             the non-offloaded run where the CPU update equals the device one (bitwise on CPU).
-            With :class:`GradScaler`, unscaling would touch the host gradients, which ``step()``
-            overwrites: not supported yet.
+            :class:`GradScaler` unscales and checks the device gradients, which ``step()`` then
+            copies down.
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``weight_decay=...``).
 
     With ``torch.optim.AdamW`` on CUDA (triton installed, :mod:`shardlib.kernels` enabled) the
@@ -269,12 +269,14 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        state = self._state(optimizer)
+        state = self._per_optimizer.get(id(optimizer), {"stage": _READY, "found_inf": False})
         if state["stage"] == _UNSCALED:
             raise RuntimeError("GradScaler.unscale_() has already been called on this optimizer since the last update()")
         if state["stage"] == _STEPPED:
             raise RuntimeError("GradScaler.unscale_() is being called after step(); call update() first")
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        zero = getattr(optimizer, "_zero", None)  # a ZeroOptimizer: the gradient shards on the device
+        grads = zero.owned_grads() if zero is not None else [
+            p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if any(g.dtype == torch.float16 for g in grads):
             raise ValueError(
                 "GradScaler: the optimizer's gradients are float16, which unscaling would underflow. Keep fp32 master "
@@ -291,6 +293,7 @@ class GradScaler:
             raw_all_reduce(found, mesh, tuple(mesh.axis_names), op="max")  # one decision for every rank
         state["found_inf"] = bool(found.item())
         state["stage"] = _UNSCALED
+        self._per_optimizer[id(optimizer)] = state
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` was called) and run ``optimizer.step(*args, **kwargs)``
@@ -326,14 +329,19 @@ class GradScaler:
             if not self._per_optimizer:
                 raise RuntimeError("GradScaler.update(): no inf checks were recorded; call step(optimizer) first")
             if any(s["found_inf"] for s in self._per_optimizer.values()):
-                self._scale = self._scale * self._backoff_factor
+                self._scale = self._fp32(self._scale.item() * self._backoff_factor)
                 self._growth_tracker = 0
             else:
                 self._growth_tracker += 1
                 if self._growth_tracker == self._growth_interval:
-                    self._scale = self._scale * self._growth_factor
+                    self._scale = self._fp32(self._scale.item() * self._growth_factor)
                     self._growth_tracker = 0
         self._per_optimizer = {}
+
+    @staticmethod
+    def _fp32(value: float) -> torch.Tensor:
+        """``value`` (a product in float64) rounded to float32, as torch's ``_amp_update_scale_``."""
+        return torch.tensor(value, dtype=torch.float32)
 
     def state_dict(self) -> dict:
         """``torch.amp.GradScaler``'s keys: scale, growth_factor, backoff_factor,

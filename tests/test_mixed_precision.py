@@ -152,7 +152,9 @@ BF16_U = 2.0**-8  # bf16 unit roundoff: 8 significand bits, round to nearest
 # differences, so half the gradient tolerance. Measured worst over seeds 0-5 on these meshes:
 # loss 2.2u, gradients 10.9u, parameters 6.1u (a stale compute copy, not refreshed after the step:
 # gradients ~1000u).
-LOSS_RTOL, GRAD_RTOL, PARAM_RTOL, GRAD_FLOOR = 4 * BF16_U, 32 * BF16_U, 16 * BF16_U, 1 / 64
+# The same argument holds for fp16 (u = 2^-11) with the same factors.
+LOSS_U, GRAD_U, PARAM_U, GRAD_FLOOR = 4, 32, 16, 1 / 64
+FP16_U = 2.0**-11
 
 
 def _assert_close(kind: str, step: int, got: dict, ref: dict, rtol: float, floor: float = 0.0) -> None:
@@ -162,8 +164,17 @@ def _assert_close(kind: str, step: int, got: dict, ref: dict, rtol: float, floor
             continue
         err = (got[name].double() - r.double()).abs().max().item()
         scale = max(r.double().abs().max().item(), floor, 1e-30)
-        assert err <= rtol * scale, (
-            f"step {step}: {kind} {name}: max |sharded - single| {err:.3e} > {rtol / BF16_U:.0f}u x {scale:.3e}")
+        assert err <= rtol * scale, f"step {step}: {kind} {name}: max |sharded - single| {err:.3e} > {rtol:.2e} x {scale:.3e}"
+
+
+def _compare(records: list, reference: list, u: float, skipped: tuple = ()) -> None:
+    """Losses, gradients (not on skipped steps: inf/NaN) and parameters against the reference."""
+    for step, (got, ref) in enumerate(zip(records, reference)):
+        if step not in skipped:
+            assert abs(got["loss"] - ref["loss"]) <= LOSS_U * u * abs(ref["loss"]), (step, got["loss"], ref["loss"])
+            floor = GRAD_FLOOR * max(g.abs().max().item() for g in ref["grads"].values() if g is not None)
+            _assert_close("gradient of", step, got["grads"], ref["grads"], GRAD_U * u, floor)
+        _assert_close("parameter", step, got["params"], ref["params"], PARAM_U * u)
 
 
 def _world(mesh_shape: dict) -> int:
@@ -173,6 +184,7 @@ def _world(mesh_shape: dict) -> int:
     return n
 
 
+CASE_IDS = ["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp2-zero3-reduce-bf16", "dp2xtp2-sp-zero3", "dp2xtp2-sp-zero1"]
 BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}) for s in (0, 1, 2, 3)] + [
     ({"dp": 2}, None, {"zero_stage": 3, "reduce_dtype": torch.bfloat16}),
     ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True}),
@@ -180,7 +192,7 @@ BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}) for s in (0, 1, 2, 3)] + [
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,specs,options", BF16_CASES, ids=lambda v: str(v) if isinstance(v, dict) else "")
+@pytest.mark.parametrize("mesh_shape,specs,options", BF16_CASES, ids=CASE_IDS)
 def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs, options):
     """param_dtype=bf16 on dp2 (ZeRO 0-3, fp32 or bf16 reduction) and dp2 x tp2 with sequence
     parallelism: losses, fp32 gradients and fp32 master parameters after 3 AdamW steps equal the
@@ -192,11 +204,8 @@ def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs,
     options = dict(options, param_dtype=torch.bfloat16, chunk_size=900)
     results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, STEPS, seed, options)
     reference = _reference(batch, STEPS, seed, torch.bfloat16)
-    for step, (got, ref) in enumerate(zip(results[0]["records"], reference)):
-        assert abs(got["loss"] - ref["loss"]) <= LOSS_RTOL * abs(ref["loss"]), (step, got["loss"], ref["loss"])
-        floor = GRAD_FLOOR * max(g.abs().max().item() for g in ref["grads"].values() if g is not None)
-        _assert_close("gradient of", step, got["grads"], ref["grads"], GRAD_RTOL, floor)
-        _assert_close("parameter", step, got["params"], ref["params"], PARAM_RTOL)
+    _compare(results[0]["records"], reference, BF16_U)
+    for step, got in enumerate(results[0]["records"]):
         for rank, other in enumerate(results[1:], start=1):
             for name, value in got["params"].items():
                 assert torch.equal(other["records"][step]["params"][name], value), (step, rank, name)
@@ -223,3 +232,152 @@ def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs,
         assert mixed[gather][1] * 2 == full[gather][1]  # parameters gathered in bf16
     reduce = ("dp", "all_reduce" if options["zero_stage"] == 0 else "reduce_scatter")
     assert mixed[reduce][1] * (2 if options.get("reduce_dtype") == torch.bfloat16 else 1) == full[reduce][1]
+
+
+# fp16 with dynamic loss scaling. An initial scale of 2^18 overflows: the loss gradient itself
+# (the scale, in fp16) exceeds fp16's largest value 65504 for scales >= 2^16. Expected sequence
+# with growth every 2 good steps: skip at 2^18, 2^17, 2^16; good at 2^15 twice; grow to 2^16:
+# skip; good at 2^15.
+FP16_STEPS = 7
+SCALER = {"init_scale": 2.0**18, "growth_interval": 2}
+FP16_CASES = [({"dp": 2}, None, {"zero_stage": 2}), ({"dp": 2}, None, {"zero_stage": 1, "optimizer_offload": True}),
+              ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True})]
+
+
+@pytest.mark.parametrize("mesh_shape,specs,options", FP16_CASES, ids=["dp2-zero2", "dp2-zero1-optimizer-offload", "dp2xtp2-sp-zero3"])
+def test_fp16_loss_scaling_skips_the_same_steps_as_torch_gradscaler(mesh_shape, specs, options):
+    """param_dtype=fp16 with shardlib.GradScaler against the single-process fp16-compute /
+    fp32-master run with torch.amp.GradScaler: the same scale before every step, the same steps
+    skipped (AdamW's step count), skipped steps leave parameters and optimizer state bitwise
+    untouched, and results match within the fp16 tolerances."""
+    seed = 0
+    batch = _batch(8, seed)
+    options = dict(options, param_dtype=torch.float16, chunk_size=900)
+    results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, FP16_STEPS, seed, options, SCALER)
+    reference = _reference(batch, FP16_STEPS, seed, torch.float16, scaler=torch.amp.GradScaler("cpu", **SCALER))
+    ref_scales = [r["scale"] for r in reference]
+    assert ref_scales == [2.0**18, 2.0**17, 2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15], ref_scales
+    ref_steps = [r["opt_steps"] for r in reference]
+    assert ref_steps == [0, 0, 0, 1, 2, 2, 3], ref_steps
+    skipped = (0, 1, 2, 5)
+    for rank, res in enumerate(results):
+        records = res["records"]
+        assert [r["scale"] for r in records] == ref_scales, (rank, [r["scale"] for r in records])
+        assert [r["opt_steps"] for r in records] == ref_steps, (rank, [r["opt_steps"] for r in records])
+        assert [s for s, r in enumerate(records) if r["skipped_untouched"] is not None] == list(skipped)
+        assert all(records[s]["skipped_untouched"] for s in skipped), rank
+        for s in skipped:
+            assert not all(torch.isfinite(g).all() for g in records[s]["grads"].values() if g is not None)
+    _compare(results[0]["records"], reference, FP16_U, skipped)
+
+
+def _one_rank_overflows(mesh_shape, stage, bad_rank):
+    """An inf in one rank's gradient shard only: every rank must skip and back off."""
+    mesh = shardlib.init_mesh(mesh_shape)
+    torch.manual_seed(0)
+    specs = TP_SPECS if "tp" in mesh_shape else None
+    smodel = shardlib.shard(gpt_for_tests(CONFIG), mesh, specs, zero_stage=stage, param_dtype=torch.float16,
+                            sequence_parallel="tp" in mesh_shape)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, **OPT)
+    scaler = shardlib.GradScaler(init_scale=2.0**10)
+    idx, tgt = (shardlib.distribute(t, mesh, smodel.batch_spec) for t in _batch(4, 0))
+    out = []
+    for step in range(2):
+        scaler.scale(smodel(idx, tgt)[1]).backward()
+        if step == 0 and mesh.rank == bad_rank:
+            smodel._zero.owned_grads()[-1].view(-1)[-1] = float("inf")  # a local overflow on this rank only
+        before = shardlib.full_state_dict(smodel)
+        scaler.step(opt)
+        scaler.update()
+        after = shardlib.full_state_dict(smodel)
+        out.append((scaler.get_scale(), len(opt.state), all(torch.equal(before[k], after[k]) for k in after)))
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape,stage,bad_rank", [({"dp": 2}, 3, 1), ({"dp": 2, "tp": 2}, 1, 3)], ids=["dp2-zero3", "dp2xtp2-zero1"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(mesh_shape, stage, bad_rank):
+    """The inf check is one decision over the whole mesh (a max all-reduce of the found-inf flag):
+    one rank's inf makes every rank skip step 0 (no optimizer state, parameters unchanged, scale
+    halved); step 1 is taken everywhere."""
+    results = run_on(_world(mesh_shape), _one_rank_overflows, mesh_shape, stage, bad_rank)
+    for rank, steps in enumerate(results):
+        assert steps[0] == (2.0**9, 0, True), (rank, steps)
+        scale, n_states, unchanged = steps[1]
+        assert scale == 2.0**9 and n_states > 0 and not unchanged, (rank, steps)
+
+
+def test_grad_scaler_follows_torch_gradscaler_update_rule():
+    """One process, no mesh: the scale sequence, skipped steps and parameters equal
+    torch.amp.GradScaler's with non-power-of-two factors and overflows injected on chosen steps."""
+    kwargs = {"init_scale": 3.0, "growth_factor": 1.7, "backoff_factor": 0.3, "growth_interval": 2}
+    runs = []
+    for scaler in (shardlib.GradScaler(**kwargs), torch.amp.GradScaler("cpu", **kwargs)):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        scales = []
+        for step in range(7):
+            scaler.scale(model(torch.ones(4, 3)).pow(2).sum()).backward()
+            if step in (1, 4):
+                model.weight.grad[0, 0] = float("nan") if step == 1 else float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            opt.zero_grad()
+        runs.append((scales, [p.detach().clone() for p in model.parameters()], scaler.state_dict()))
+    (mine, p_mine, sd_mine), (ref, p_ref, sd_ref) = runs
+    assert mine == ref and len(set(mine)) > 3, (mine, ref)
+    assert all(torch.equal(a, b) for a, b in zip(p_mine, p_ref))
+    assert sd_mine == sd_ref
+
+
+def test_bad_mixed_precision_options_raise():
+    model = gpt_for_tests(CONFIG)
+    mesh = AbstractMesh({"dp": 2})
+    for option, value in [("param_dtype", torch.int8), ("param_dtype", "bf16"), ("reduce_dtype", torch.int32),
+                          ("param_dtype", torch.float8_e4m3fn), ("reduce_dtype", torch.complex64)]:
+        with pytest.raises(shardlib.ShardingError, match=f"{option} must be a floating-point torch.dtype.*got {value!r}"):
+            shardlib.plan(model, mesh, **{option: value})
+    for kwargs, match in [({"init_scale": 0.0}, "init_scale must be a positive finite"),
+                          ({"init_scale": float("inf")}, "init_scale must be a positive finite"),
+                          ({"growth_factor": 0.5}, "growth_factor must be >= 1"),
+                          ({"backoff_factor": 1.5}, r"backoff_factor must be in \(0, 1\]"),
+                          ({"growth_interval": 0}, "growth_interval must be an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            shardlib.GradScaler(**kwargs)
+    scaler = shardlib.GradScaler()
+    half = torch.nn.Linear(2, 2).half()
+    opt = torch.optim.SGD(half.parameters(), lr=0.1)
+    half(torch.ones(1, 2, dtype=torch.float16)).sum().backward()
+    with pytest.raises(ValueError, match="gradients are float16"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="no inf checks were recorded"):
+        scaler.update()
+    model32 = torch.nn.Linear(2, 2)
+    opt32 = torch.optim.SGD(model32.parameters(), lr=0.1)
+    scaler.scale(model32(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(opt32)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_(opt32)
+    scaler.step(opt32)
+    with pytest.raises(RuntimeError, match="already been called since the last update"):
+        scaler.step(opt32)
+
+
+def test_plan_memory_counts_masters_and_compute_copies():
+    """Per rank, ZeRO stage by stage: fp32 masters (full at stage 0, shards from stage 1) plus the
+    persistent bf16 compute copy (stages 0-2; stage 3 gathers it per use); fp32 gradients and
+    optimizer state as without mixed precision; explain() says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    n = 2
+    psi = sum(c.padded_numel for c in shardlib.plan(model, AbstractMesh({"dp": n}), chunk_size=1 << 20).chunks)
+    expected = {0: (4 * psi + 2 * psi, 4 * psi), 1: (4 * psi // n + 2 * psi, 4 * psi), 2: (4 * psi // n + 2 * psi, 4 * psi // n),
+                3: (4 * psi // n, 4 * psi // n)}
+    for stage, (params, grads) in expected.items():
+        p = shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=stage, param_dtype=torch.bfloat16, chunk_size=1 << 20)
+        assert (p.param_bytes, p.grad_bytes, p.optimizer_bytes) == (params, grads, 8 * psi // (n if stage else 1)), stage
+        assert "mixed precision: compute copies in bfloat16" in p.explain()
+        assert p == shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=stage, param_dtype=torch.bfloat16, chunk_size=1 << 20)
+    p1 = shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=1, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert p1.grad_bytes == 4 * psi // n  # reduced aside in bf16, only the fp32 shard kept
