@@ -187,17 +187,27 @@ def test_ce_references_give_f_cross_entropy():
 
 def _fused_ce_tp(cases):
     """On each tp rank: the fused autograd function (reference phases on CPU) on this rank's
-    vocabulary slice. Returns per case (loss, this rank's logit-gradient slice)."""
+    vocabulary slice, through vocab_parallel_cross_entropy with the dispatch a GPU would make (the
+    fused path wherever the slice is not empty; an empty slice takes the torch path). Returns per
+    case (loss, this rank's logit-gradient slice, whether the gradient was written in place)."""
+    from shardlib.parallel import cross_entropy as pce
+
     mesh = shardlib.init_mesh({"tp": torch.distributed.get_world_size()})
     out = []
-    for full, target, eps, reduction in cases:
-        lo, hi = shard_range(full.shape[-1], mesh.size("tp"), mesh.index("tp"))
-        leaf = full[:, lo:hi].clone().requires_grad_()
-        logits = leaf * 1
-        loss = kce.fused_vocab_parallel_ce(logits, target, mesh, "tp", lo, hi, full.shape[-1], -100, eps)
-        (loss.sum() if reduction == "sum" else loss.mean()).backward()
-        inplace = torch.equal(logits.detach(), leaf.grad)
-        out.append((loss.detach(), leaf.grad, inplace))
+    original = pce.fused_ce_applies
+    pce.fused_ce_applies = lambda flat: flat.shape[0] > 0 and flat.shape[1] > 0
+    try:  # the worker process is reused by other tests: restore the dispatch afterwards
+        for full, target, eps, reduction in cases:
+            lo, hi = shard_range(full.shape[-1], mesh.size("tp"), mesh.index("tp"))
+            leaf = full[:, lo:hi].clone().requires_grad_()
+            logits = leaf * 1
+            loss = pce.vocab_parallel_cross_entropy(logits, target, label_smoothing=eps, reduction="none",
+                                                    vocab_size=full.shape[-1], mesh=mesh)
+            (loss.sum() if reduction == "sum" else loss.mean()).backward()
+            inplace = hi > lo and torch.equal(logits.detach(), leaf.grad)
+            out.append((loss.detach(), leaf.grad, inplace or hi == lo))
+    finally:
+        pce.fused_ce_applies = original
     return out
 
 
@@ -207,7 +217,8 @@ def test_fused_ce_function_on_tp2_matches_f_cross_entropy():
     on 2 ranks, float64 (rtol 1e-10), against F.cross_entropy on the full logits."""
     g = torch.Generator().manual_seed(5)
     cases = []
-    for vocab, eps, red in ((9, 0.0, "sum"), (9, 0.1, "mean"), (2, 0.0, "sum")):  # vocab 2 on 2 ranks: width 1
+    # vocab 2 on 2 ranks: width 1; vocab 1: rank 1's slice is empty (torch path beside the fused one)
+    for vocab, eps, red in ((9, 0.0, "sum"), (9, 0.1, "mean"), (2, 0.0, "sum"), (1, 0.1, "sum")):
         full = torch.randn(7, vocab, generator=g, dtype=torch.float64) * 4
         full[:, 0] += 10  # the max sits on rank 0 only: rank 1 must rescale its sum
         target = torch.randint(0, vocab, (7,), generator=g)

@@ -189,9 +189,12 @@ class _FusedVocabParallelCE(torch.autograd.Function):
         raw_all_reduce(m, mesh, axis, op="max")
         s = s_local * torch.exp(m_local - m)  # rescale this slice's sum to the global max
         raw_all_reduce(s, mesh, axis)
-        stats = torch.stack([xt, sx]) if eps else xt.unsqueeze(0)
+        # shifted by the global max, exactly the torch path's statistics: a rank with an empty
+        # vocabulary slice takes that path (no kernel for width 0) and the sums must agree
+        picked = torch.where(mine, xt - m, torch.zeros_like(xt))
+        stats = torch.stack([picked, sx - logits.shape[1] * m]) if eps else picked.unsqueeze(0)
         raw_all_reduce(stats, mesh, axis)
-        log_z = m + s.log()
+        log_z = s.log()
         loss = log_z - stats[0]
         if eps:
             loss = (1 - eps) * loss + eps * (log_z - stats[1] / vocab)
