@@ -487,9 +487,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     params_meta = any(p.device.type == "meta" for p in params.values())
     init_rules = resolve_init_rules(model, options.get("init_rules"), list(names_of.values())) if params_meta else {}
     if params_meta and not all(p.device.type == "meta" for p in params.values()):
-        name = next(n[0] for k, n in names_of.items() if params[k].device.type != "meta")
+        key = next(k for k in names_of if params[k].device.type != "meta")
         raise ShardingError(
-            f"some parameters are on the meta device and some are not (e.g. {name} on {params[id(model.get_parameter(name))].device}); "
+            f"some parameters are on the meta device and some are not (e.g. {names_of[key][0]} on {params[key].device}); "
             "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
         )
     offload_ratio = options.get("offload_ratio", 0.0)

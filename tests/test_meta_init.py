@@ -173,13 +173,14 @@ def _buffer_worker():
     smodel = shardlib.shard(model, mesh, zero_stage=3, init_rules=rules)
     ref = init_parameters(_WithBuffer(), rules=rules)
     full = shardlib.full_state_dict(smodel)
-    return all(torch.equal(full[k], v) for k, v in ref.state_dict().items()), smodel(torch.ones(2, 4)).shape
+    lazy_line = "lazy init: 2 parameters materialized from the meta device, only local shards, seed 0" in smodel.plan.explain()
+    return all(torch.equal(full[k], v) for k, v in ref.state_dict().items()) and lazy_line, smodel(torch.ones(2, 4)).shape
 
 
 @pytest.mark.multiprocess
 def test_meta_buffers_are_rebuilt_by_their_module():
     """A meta buffer is allocated and filled by the module's shardlib_init_buffers(); uniform and
-    constant rules given as the init_rules option."""
+    constant rules given as the init_rules option; explain() says what was materialized."""
     for equal, shape in run_on(2, _buffer_worker):
         assert equal and shape == (2, 3)
 
@@ -193,14 +194,14 @@ def test_meta_model_without_rule_names_the_parameter():
         shardlib.plan(model, AbstractMesh({"dp": 2}), init_rules={"*": ("gaussian", 1.0)})
     with pytest.raises(shardlib.ShardingError, match=r"'uniform' takes 2-2 numbers"):
         shardlib.plan(model, AbstractMesh({"dp": 2}), init_rules=lambda name, p: ("uniform", 1.0))
+    model[1] = nn.LayerNorm(4)  # on CPU
+    with pytest.raises(shardlib.ShardingError, match=r"some parameters are on the meta device and some are not \(e\.g\. 1\.weight on cpu\)"):
+        shardlib.plan(model, AbstractMesh({"dp": 2}), init_rules={"*": ("zeros",)})
     with torch.device("meta"):
-        buffered = _WithBuffer()
-    del _WithBuffer.shardlib_init_buffers  # noqa: restored below
-    try:
-        with pytest.raises(shardlib.ShardingError, match=r"buffer mask of shape \(3, 3\) is on the meta device"):
-            init_parameters(buffered, rules={"*": ("zeros",)})
-    finally:
-        _WithBuffer.shardlib_init_buffers = lambda self: self.mask.copy_(torch.tril(torch.ones(3, 3)))
+        buffered = nn.Sequential(nn.Linear(3, 3), nn.Module())
+        buffered[1].register_buffer("mask", torch.ones(3, 3))  # a module with no shardlib_init_buffers()
+    with pytest.raises(shardlib.ShardingError, match=r"buffer 1\.mask of shape \(3, 3\) is on the meta device.*Module"):
+        init_parameters(buffered, rules={"*": ("zeros",)})
 
 
 def test_gpt_rules_follow_the_gpt2_distributions():
