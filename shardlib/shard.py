@@ -243,7 +243,8 @@ def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> P
     for pp in full.params:
         prm = model.get_parameter(pp.name)
         if len(owners.get(id(prm), ())) > 1 and pp.requires_grad:
-            tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), pp.dtype, min(owners[id(prm)])))
+            dtype = full.reduce_dtype if full.reduce_dtype is not None else pp.dtype  # the local gradient's dtype
+            tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), dtype, min(owners[id(prm)])))
     pipeline["stage_layers"], pipeline["stage_bytes"] = [], []
     for s in range(mesh.size(axis) * pipeline["virtual_stages"]):
         st = stages[s % mesh.size(axis)]

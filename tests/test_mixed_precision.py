@@ -381,3 +381,34 @@ def test_plan_memory_counts_masters_and_compute_copies():
         assert p == shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=stage, param_dtype=torch.bfloat16, chunk_size=1 << 20)
     p1 = shardlib.plan(model, AbstractMesh({"dp": n}), zero_stage=1, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     assert p1.grad_bytes == 4 * psi // n  # reduced aside in bf16, only the fp32 shard kept
+
+
+def _pipeline(batch, steps, seed, stage, reduce_dtype):
+    import torch.nn.functional as F
+
+    mesh = shardlib.init_mesh({"pp": 2, "dp": 2})
+    torch.manual_seed(seed)
+    smodel = shardlib.shard(gpt_for_tests(CONFIG), mesh, zero_stage=stage, param_dtype=torch.bfloat16,
+                            reduce_dtype=reduce_dtype, microbatches=2)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, **OPT)
+    idx, tgt = (shardlib.distribute(t, mesh, smodel.batch_spec) for t in batch)
+    records = []
+    for _ in range(steps):
+        losses, _ = smodel.forward_backward(idx, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()), (tgt,))
+        total = torch.tensor([0.0 if losses is None else sum(x.item() for x in losses) / len(losses)], dtype=torch.float64)
+        shardlib.mesh.collectives.raw_all_reduce(total, mesh, ("pp", "dp"), op="sum")  # last stage's 2 dp ranks
+        grads = shardlib.full_grads(smodel)
+        opt.step()
+        records.append({"loss": total.item() / 2, "grads": grads, "params": shardlib.full_state_dict(smodel)})
+        opt.zero_grad()
+    return records
+
+
+@pytest.mark.parametrize("stage,reduce_dtype", [(3, torch.bfloat16)], ids=["zero3-reduce-bf16"])
+def test_bf16_pipeline_with_tied_embeddings_equals_single_process(stage, reduce_dtype):
+    """pp2 x dp2 (1F1B, 2 microbatches; wte on the first stage tied to lm_head on the last, their
+    gradients summed over pp in reduce_dtype): the bf16 tolerances above hold."""
+    seed = 3
+    batch = _batch(8, seed)
+    results = run_on(4, _pipeline, batch, STEPS, seed, stage, reduce_dtype)
+    _compare(results[0], _reference(batch, STEPS, seed, torch.bfloat16), BF16_U)
