@@ -194,8 +194,8 @@ def _fused_ce_tp(cases):
 
     mesh = shardlib.init_mesh({"tp": torch.distributed.get_world_size()})
     out = []
-    original = pce.fused_ce_applies
-    pce.fused_ce_applies = lambda flat: flat.shape[0] > 0 and flat.shape[1] > 0
+    original = pce._fused_applies
+    pce._fused_applies = lambda flat: flat.shape[0] > 0 and flat.shape[1] > 0
     try:  # the worker process is reused by other tests: restore the dispatch afterwards
         for full, target, eps, reduction in cases:
             lo, hi = shard_range(full.shape[-1], mesh.size("tp"), mesh.index("tp"))
@@ -207,7 +207,7 @@ def _fused_ce_tp(cases):
             inplace = hi > lo and torch.equal(logits.detach(), leaf.grad)
             out.append((loss.detach(), leaf.grad, inplace or hi == lo))
     finally:
-        pce.fused_ce_applies = original
+        pce._fused_applies = original
     return out
 
 

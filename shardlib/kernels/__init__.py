@@ -18,16 +18,34 @@ Turn them off with the environment variable ``SHARDLIB_KERNELS=0``, with
 ``shardlib.kernels.set_enabled(False)``, or for a block with ``with shardlib.kernels.use_kernels(False):``.
 Tests run the Triton programs on CPU in Triton's interpreter with ``TRITON_INTERPRET=1`` and
 ``SHARDLIB_KERNELS_FORCE_TRITON=1`` (see ``tests/test_kernels.py``).
+
+The op modules (and ``triton``) are imported on first use of one of their names, so
+``import shardlib`` on a CPU machine never imports triton.
 """
 
-from ._dispatch import HAS_TRITON, enabled, set_enabled, use_kernels, use_triton
-from .adamw import FusedAdamW, adamw_, adamw_reference_
-from .cross_entropy import fused_ce_applies, fused_vocab_parallel_ce, vocab_ce_grad_, vocab_ce_stats
-from .norms import layer_norm, norm_backward, norm_forward, rms_norm
+import importlib
 
-__all__ = [
-    "HAS_TRITON", "enabled", "set_enabled", "use_kernels", "use_triton",
-    "FusedAdamW", "adamw_", "adamw_reference_",
-    "fused_ce_applies", "fused_vocab_parallel_ce", "vocab_ce_grad_", "vocab_ce_stats",
-    "layer_norm", "rms_norm", "norm_forward", "norm_backward",
-]
+from ._dispatch import enabled, set_enabled, triton_available, use_kernels, use_triton
+
+_LAZY = {
+    "FusedAdamW": "adamw", "adamw_": "adamw", "adamw_reference_": "adamw",
+    "fused_ce_applies": "cross_entropy", "fused_vocab_parallel_ce": "cross_entropy",
+    "vocab_ce_grad_": "cross_entropy", "vocab_ce_stats": "cross_entropy",
+    "layer_norm": "norms", "rms_norm": "norms", "norm_forward": "norms", "norm_backward": "norms",
+}
+
+__all__ = ["HAS_TRITON", "enabled", "set_enabled", "triton_available", "use_kernels", "use_triton", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name == "HAS_TRITON":
+        return triton_available()
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

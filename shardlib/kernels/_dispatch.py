@@ -21,17 +21,24 @@ from typing import Iterator
 
 import torch
 
-try:  # optional dependency: the references cover every op without it
-    import triton  # noqa: F401
-    import triton.language as tl  # noqa: F401
+_TRITON: bool | None = None  # imported on first need: ``import shardlib`` does not pay for triton
 
-    HAS_TRITON = True
-except Exception:  # ImportError, or a broken install (no compiler, unsupported platform)
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "enabled", "set_enabled", "use_kernels", "use_triton"]
+def triton_available() -> bool:
+    """Whether ``triton`` imports (tried once, on the first call)."""
+    global _TRITON
+    if _TRITON is None:
+        try:  # optional dependency: the references cover every op without it
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON = True
+        except Exception:  # ImportError, or a broken install (no compiler, unsupported platform)
+            _TRITON = False
+    return _TRITON
+
+
+__all__ = ["triton_available", "enabled", "set_enabled", "use_kernels", "use_triton"]
 
 _OFF = ("0", "false", "off", "no")
 _enabled = os.environ.get("SHARDLIB_KERNELS", "1").strip().lower() not in _OFF
@@ -77,8 +84,6 @@ def _forced() -> bool:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when an op on ``tensors`` should run its Triton program (see the module docstring):
     kernels enabled, triton importable, and every tensor on CUDA (or the interpreter forced)."""
-    if not (_enabled and HAS_TRITON):
+    if not _enabled or not (_forced() or all(t.is_cuda for t in tensors)):
         return False
-    if _forced():
-        return True
-    return all(t.is_cuda for t in tensors)
+    return triton_available()

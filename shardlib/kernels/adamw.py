@@ -25,11 +25,11 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import triton_available, use_triton
 
 __all__ = ["adamw_", "adamw_reference_", "FusedAdamW"]
 
-if HAS_TRITON:
+if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
     import triton
     import triton.language as tl
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh.collectives import raw_all_reduce
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import triton_available, use_triton
 
 __all__ = ["vocab_ce_stats", "vocab_ce_grad_", "vocab_ce_stats_reference", "vocab_ce_grad_reference_",
            "fused_vocab_parallel_ce", "fused_ce_applies"]
@@ -36,7 +36,7 @@ __all__ = ["vocab_ce_stats", "vocab_ce_grad_", "vocab_ce_stats_reference", "voca
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 4096
 
-if HAS_TRITON:
+if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
     import triton
     import triton.language as tl
 

@@ -24,14 +24,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._dispatch import HAS_TRITON, use_triton
+from ._dispatch import triton_available, use_triton
 
 __all__ = ["layer_norm", "rms_norm", "norm_reference", "norm_backward_reference"]
 
 _MAX_C = 16384
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-if HAS_TRITON:
+if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
     import triton
     import triton.language as tl
 

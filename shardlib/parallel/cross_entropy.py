@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cross_entropy import fused_ce_applies, fused_vocab_parallel_ce
+from .. import kernels
 from ..mesh.collectives import raw_all_reduce
 from ..mesh.mesh import Mesh, current_mesh
 from ..spec import shard_range
@@ -58,6 +58,10 @@ class _VocabParallelCE(torch.autograd.Function):
             grad = grad - (1 - ctx.eps) * onehot
         grad = grad * (g * valid).unsqueeze(-1)
         return grad, None, None, None, None, None, None
+
+
+def _fused_applies(flat: torch.Tensor) -> bool:
+    return kernels.use_triton(flat) and kernels.fused_ce_applies(flat)  # imports the kernel module only then
 
 
 def vocab_parallel_cross_entropy(
@@ -117,9 +121,9 @@ def vocab_parallel_cross_entropy(
             f"{mesh.index(axis)} of {axis!r} (size {n}) should hold vocabulary [{lo}, {hi}) of {vocab_size}"
         )
     flat = logits_local.reshape(target.numel(), logits_local.shape[-1])  # also for an empty vocabulary shard
-    if fused_ce_applies(flat):  # CUDA + triton + kernels on: one read of the logits, gradient written in place
-        loss = fused_vocab_parallel_ce(flat, target.reshape(-1), mesh, axis, lo, hi, vocab_size, ignore_index,
-                                       float(label_smoothing))
+    if _fused_applies(flat):  # CUDA + triton + kernels on: one read of the logits, gradient written in place
+        loss = kernels.fused_vocab_parallel_ce(flat, target.reshape(-1), mesh, axis, lo, hi, vocab_size, ignore_index,
+                                               float(label_smoothing))
     else:
         loss = _VocabParallelCE.apply(flat, target.reshape(-1), mesh, axis, vocab_size, ignore_index, float(label_smoothing))
     if reduction == "none":
