@@ -17,7 +17,8 @@ device stays too (moving it would free nothing). The counters restart at every f
 sharded module.
 
 On CUDA, the device-to-host copies run on a side stream into pinned memory (``non_blocking``),
-overlapping the forward; the host-to-device copies are issued when backward unpacks the tensor,
+overlapping the forward, with at most two in flight (the host waits for the oldest before a
+third starts, so device memory is released as the forward proceeds); the host-to-device copies are issued when backward unpacks the tensor,
 and the next tensors backward will need are prefetched on another side stream. On a CPU-only
 machine the "device" is the CPU: the tensor is still copied into a separate host buffer and the
 original released, so the accounting in :class:`OffloadStats` is real.
@@ -31,6 +32,7 @@ optimizer state (AdamW's two moments) lives only on the host.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from dataclasses import dataclass
@@ -108,6 +110,7 @@ class _Offloaded:
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
             t.record_stream(stream)  # the allocator keeps t's memory until the copy has read it
+            owner._throttle(self.event)
         else:  # CPU-only: the "device" is the CPU; still a separate buffer, the original is released
             self.host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
             self.host.copy_(t)
@@ -176,6 +179,8 @@ class ActivationOffload:
         self._by_seq: "weakref.WeakValueDictionary[int, _Offloaded]" = weakref.WeakValueDictionary()
         self._seq = 0
         self._streams: dict = {}
+        self._inflight: collections.deque = collections.deque()
+        self.max_inflight = 2
         self.begin_forward()
 
     # -- accounting ----------------------------------------------------------------------------
@@ -212,6 +217,14 @@ class ActivationOffload:
 
     def _release_host(self, nbytes: int) -> None:
         self.stats.host_bytes -= nbytes
+
+    def _throttle(self, event) -> None:
+        """Bound the copies in flight: device memory of a tensor being copied out is only
+        released when its copy ends, so without a bound a forward that outruns the copies would
+        keep every offloaded tensor on the device (Transformer Engine waits likewise)."""
+        self._inflight.append(event)
+        while len(self._inflight) > self.max_inflight:
+            self._inflight.popleft().synchronize()
 
     def _stream(self, kind: str, device: torch.device):
         key = (kind, device)
