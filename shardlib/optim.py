@@ -283,11 +283,10 @@ class GradScaler:
                 "weights: build the model in fp32 and shard it with param_dtype=torch.float16"
             )
         inv = self._scale.double().reciprocal().float()
-        found = torch.zeros(1)
+        finite = [torch.isfinite(g).all() for g in grads if g.numel()]  # on the gradients' device: no sync yet
+        found = (~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)
         for g in grads:
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
-            g.mul_(inv.to(g.dtype))
+            g.mul_(inv.to(device=g.device, dtype=g.dtype))
         mesh = getattr(getattr(optimizer, "smodel", None), "mesh", None)
         if mesh is not None and mesh.size() > 1:
             raw_all_reduce(found, mesh, tuple(mesh.axis_names), op="max")  # one decision for every rank
