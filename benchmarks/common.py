@@ -548,19 +548,30 @@ def worker_group(n: int = 2):
     return g
 
 
-def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str | None, nprocs: int = 2, **kwargs) -> dict:
-    """Run ``worker(settings, **kwargs) -> list of rows`` on ``nprocs`` ranks, print the table,
-    and write the JSON and plots; returns ``{"benchmark", "settings", "rows", "files"}``."""
+def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str | None, nprocs: int = 2,
+                  cases: tuple = (), **kwargs) -> dict:
+    """Run ``worker(settings, cases=(case,), **kwargs) -> [row]`` on ``nprocs`` ranks for each case
+    in turn (the JSON is rewritten after each, so a long run keeps what it measured), print the
+    table, and write the JSON and plots; returns ``{"benchmark", "settings", "rows", "files"}``."""
     if getattr(worker, "__module__", None) == "__main__":  # run as a script: send it by reference, not by value
         import importlib
 
         worker = getattr(importlib.import_module(f"benchmarks.{name}"), worker.__name__)
+    if not cases:
+        import importlib
+
+        cases = importlib.import_module(worker.__module__).CASES
     t0 = time.perf_counter()
-    rows = worker_group(nprocs).run(worker, settings, **kwargs)[0]
-    result = {"benchmark": name, "settings": asdict(settings), "world_size": nprocs, "torch": torch.__version__,
-              "wall_s": time.perf_counter() - t0, "rows": rows}
-    result["table"] = print_table(rows, f"== {name} ({settings.size} GPT, world size {nprocs}, gloo, "
-                                        f"{settings.steps} steps/side, wall {result['wall_s']:.0f} s)")
+    result = {"benchmark": name, "settings": asdict(settings), "world_size": nprocs, "torch": torch.__version__, "rows": []}
+    for case in cases:
+        row = worker_group(nprocs).run(worker, settings, cases=(case,), timeout=6 * 3600, **kwargs)[0][0]
+        result["rows"].append(row)
+        print_table([row], "")
+        result["wall_s"] = time.perf_counter() - t0
+        if out_dir:
+            write_outputs(name, result, out_dir, plots=False)
+    result["table"] = print_table(result["rows"], f"== {name} ({settings.size} GPT, world size {nprocs}, gloo, "
+                                                  f"{settings.steps} steps/side, wall {result['wall_s']:.0f} s)")
     if out_dir:
         result["files"] = write_outputs(name, result, out_dir)
     return result

@@ -88,13 +88,15 @@ def _i(x, w) -> str:
     return f"{'-':>{w}}" if x is None else f"{x:>{w}d}"
 
 
-def write_outputs(name: str, result: dict, out_dir: str) -> dict[str, str]:
+def write_outputs(name: str, result: dict, out_dir: str, plots: bool = True) -> dict[str, str]:
     """Write ``<out_dir>/<name>.json`` and the plots ``<name>_time.png`` (median step time per
     comparison with the interquartile range) and ``<name>_bytes.png`` (bytes counted vs theory)."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {"json": os.path.join(out_dir, f"{name}.json")}
     with open(paths["json"], "w") as f:
         json.dump(result, f, indent=1, default=_json_default)
+    if not plots:
+        return paths
     try:
         paths.update(_plots(name, result["rows"], out_dir))
     except Exception as exc:  # noqa: BLE001 - a plot failing must not lose the numbers
