@@ -5,16 +5,15 @@ tensors under the original parameter names; DCP records every box in its metadat
 on any mesh and plan reads, for each box the new rank holds, the overlapping parts of the saved
 boxes. So a checkpoint from ``dp=2, tp=2`` loads into ``dp=3`` or ``pp=2, dp=2``.
 
-Layout. Under ZeRO (arXiv 1910.02054) a rank owns a contiguous range of each flat chunk, i.e. for
-each parameter a contiguous range of its row-major, tensor-parallel local tensor; that local
-tensor is a ``torch.chunk`` block of the global one (``k`` blocks for fused weights). A
-contiguous range of a row-major N-d block is at most ``2N - 1`` boxes, each contiguous in memory
-(:func:`_range_boxes`), which map to global coordinates by the tensor-parallel offset. Copies
-held by several ranks (data replicas at stage 0, parameters replicated over ``tp``) give equal
-boxes, which DCP's save planner writes once; the second copy of a parameter tied across pipeline
-stages is left out. DCP's global-plan validation then checks that the boxes of every tensor
-neither overlap nor leave holes. Optimizer state (per-element tensors such as AdamW's
-``exp_avg``) is saved per original parameter with the same boxes, so it reshards too.
+Layout (``_layout``). Under ZeRO (arXiv 1910.02054) a rank owns a contiguous range of each flat
+chunk, i.e. for each parameter a contiguous range of its row-major, tensor-parallel local tensor,
+itself a ``torch.chunk`` block of the global one (``k`` blocks for fused weights): at most
+``2N - 1`` boxes of the N-d global tensor. Copies held by several ranks (data replicas at stage 0,
+parameters replicated over ``tp``) give equal boxes, which DCP's save planner writes once; the
+second copy of a parameter tied across pipeline stages is left out. DCP's global-plan validation
+then checks that the boxes of every tensor neither overlap nor leave holes. Optimizer state
+(per-element tensors such as AdamW's ``exp_avg``) is saved per original parameter with the same
+boxes, so it reshards too.
 
 Files. ``save`` writes into ``<path>.partial``, then rank 0 adds ``shardlib_checkpoint.json``
 and renames the folder to ``<path>`` after every rank finished: a process killed mid-save leaves
@@ -37,20 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import ShardingError
-from .random import MeshDropout
-from .shard import ShardedModule, full_state_dict
-from .spec import shard_range
+from ..errors import ShardingError
+from ..random import MeshDropout
+from ..shard import ShardedModule, full_state_dict
+from ._layout import entries, global_pieces, load_targets, region
+from ._planner import Boxes, LoadPlanner, SavePlanner
 
 __all__ = ["save", "load", "export_safetensors", "latest", "CheckpointError", "MARKER"]
 
@@ -65,202 +57,12 @@ class CheckpointError(ShardingError):
     Raised on every rank before any communication (each rank reads the same files)."""
 
 
-# -- layout: flat ranges of tensor-parallel blocks as boxes of the global tensor ---------------
-
-def _range_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """The flat range ``[a, b)`` of a row-major tensor of ``shape`` as boxes.
-
-    Returns ``[(flat start, offsets, sizes)]``; each box is contiguous in the flat order, the boxes
-    are disjoint, in order, and cover the range (at most ``2 * len(shape) - 1`` of them).
-
-    Example:
-        >>> _range_boxes((3, 4), 2, 11)
-        [(2, (0, 2), (1, 2)), (4, (1, 0), (1, 4)), (8, (2, 0), (1, 3))]
-    """
-    if a >= b:
-        return []
-    if len(shape) <= 1:
-        return [(a, (a,) * len(shape), (b - a,) * len(shape))]
-    inner = math.prod(shape[1:])
-    (r0, c0), (r1, c1) = divmod(a, inner), divmod(b, inner)
-
-    def row(r, lo, hi):
-        return [(r * inner + s, (r,) + o, (1,) + z) for s, o, z in _range_boxes(shape[1:], lo, hi)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    out = []
-    if c0:
-        out += row(r0, c0, inner)
-        r0 += 1
-    if r1 > r0:
-        out.append((r0 * inner, (r0,) + (0,) * (len(shape) - 1), (r1 - r0,) + tuple(shape[1:])))
-    if c1:
-        out += row(r1, 0, c1)
-    return out
-
-
-def _global_pieces(smodel: ShardedModule, pp, a: int, b: int, flat: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """Elements ``[a, b)`` of ``pp``'s local tensor (held in the 1-D ``flat``) as
-    ``[(global offsets, view)]``: views into ``flat`` shaped as boxes of the global tensor."""
-    plan = smodel.plan
-    shape = plan.local_shape(pp)
-    out = []
-    for start, offs, sizes in _range_boxes(shape, a, b):
-        view = flat[start - a : start - a + math.prod(sizes)].view(sizes)
-        if pp.tp_axis is None:
-            out.append((offs, view))
-            continue
-        d = pp.tp_dim
-        block = pp.global_shape[d] // pp.tp_fused  # fused weights: k blocks, each split over tp
-        lo, hi = shard_range(block, dict(plan.mesh_shape)[pp.tp_axis], plan.coords()[pp.tp_axis])
-        w = hi - lo
-        p, end = offs[d], offs[d] + sizes[d]
-        while p < end:  # split at the local block boundaries; each piece is one global box
-            q = min(end, (p // w + 1) * w)
-            g = list(offs)
-            g[d] = (p // w) * block + lo + p % w
-            out.append((tuple(g), view.narrow(d, p - offs[d], q - p)))
-            p = q
-    return out
-
-
-def _owned(zero, chunk, off: int, n: int) -> tuple[int, int]:
-    """The range of a parameter's local elements ``[0, n)`` in this rank's ZeRO slot."""
-    if zero.stage == 0:
-        return 0, n
-    a = min(max(chunk.slot.start - off, 0), n)
-    return a, max(a, min(max(chunk.slot.stop - off, 0), n))
-
-
-def _region(smodel: ShardedModule, pp, flat_owner: torch.Tensor):
-    """``(a, b, flat)``: the local elements ``[a, b)`` of ``pp`` that this rank owns, as a slice of
-    a tensor laid out as this rank's shard of the chunk (the master parameters, or a per-element
-    optimizer state; the whole chunk at stage 0)."""
-    zero = smodel._zero
-    c, off = smodel.plan.placement[pp.name]
-    chunk = zero.chunks[c]
-    n = math.prod(smodel.plan.local_shape(pp))
-    a, b = _owned(zero, chunk, off, n)
-    lo = chunk.slot.start if zero.stage >= 1 else 0
-    return a, b, flat_owner[a + off - lo : b + off - lo]
-
-
-def _load_targets(smodel: ShardedModule, pp) -> list:
-    """Where a load writes ``pp`` on this rank: ``[(a, b, flat)]``. The owned range of the master
-    shard (``chunk.shard``), and at stages 0-2 the whole local tensor in the compute copy
-    (``chunk.full``) unless the shard is a view of it; values are cast on copy."""
-    zero = smodel._zero
-    c, off = smodel.plan.placement[pp.name]
-    chunk = zero.chunks[c]
-    master = _region(smodel, pp, chunk.shard)
-    if zero.stage == 3:
-        return [master]
-    n = math.prod(smodel.plan.local_shape(pp))
-    whole = (0, n, chunk.full[off : off + n])
-    if chunk.shard.untyped_storage().data_ptr() == chunk.full.untyped_storage().data_ptr():
-        return [whole]
-    return [master, whole]
-
-
-def _canonical(smodel: ShardedModule) -> dict[int, str]:
-    """``{id(param): name in the whole model}`` for parameters a pipeline stage holds under a
-    tied alias (``lm_head.weight`` on the last stage is ``wte.weight``)."""
-    runner = getattr(smodel, "runner", None)
-    return {id(prm): name for name, prm, _, _ in getattr(runner, "tied", ()) if prm is not None}
-
-
-def _entries(smodel: ShardedModule):
-    """``[(pp, key name, param, skip)]``: ``skip`` marks a second copy of a parameter tied across
-    pipeline stages (written by the stage that holds the first copy)."""
-    canonical = _canonical(smodel)
-    duplicates = {id(p) for p in getattr(smodel, "norm_duplicates", [])}
-    out = []
-    for pp in smodel.plan.params:
-        prm = smodel.module.get_parameter(pp.name)
-        out.append((pp, canonical.get(id(prm), pp.name), prm, id(prm) in duplicates))
-    return out
-
-
-class _Boxes:
-    """Boxes of one global tensor held by this rank: ``pieces`` ``[(global offsets, view)]``."""
-
-    def __init__(self, size: tuple[int, ...], dtype: torch.dtype, pieces: list):
-        self.size, self.dtype, self.pieces = torch.Size(size), dtype, pieces
-        self.by_offset = {tuple(o): t for o, t in pieces}  # unique when saving
-
-    def chunks(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in self.pieces]
-
-    def find(self, index: MetadataIndex) -> torch.Tensor:
-        i = index.index
-        if i is not None and i < len(self.pieces) and tuple(self.pieces[i][0]) == tuple(index.offset):
-            return self.pieces[i][1]  # a load may write one box into two copies (master, compute)
-        return self.by_offset[tuple(index.offset)]
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default planner (deduplication of equal boxes, global-plan validation) over
-    :class:`_Boxes` values: one write item per box."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, obj in self.state_dict.items():
-            if isinstance(obj, _Boxes):
-                props = TensorProperties(dtype=obj.dtype)
-                items += [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                                    tensor_data=TensorWriteData(chunk=c, properties=props, size=obj.size))
-                          for c in obj.chunks()]
-            else:
-                items += _create_write_items(fqn, obj)
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.find(index) if isinstance(obj, _Boxes) else super().lookup_object(index)
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """Reads, for every :class:`_Boxes` box, the overlapping parts of the saved boxes (DCP's
-    resharding); bytes items land in ``self.loaded``."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.loaded: dict[str, Any] = {}
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # not DefaultLoadPlanner's: its state-dict walk would replace _Boxes values by None
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for fqn, obj in self.state_dict.items():
-            md = self.metadata.state_dict_metadata[fqn]
-            if isinstance(obj, _Boxes):
-                items += create_read_items_for_chunk_list(fqn, md, obj.chunks())
-            else:
-                items += _create_read_items(fqn, md, obj)
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.find(index) if isinstance(obj, _Boxes) else super().lookup_tensor(index)
-
-    def load_bytes(self, read_item, value) -> None:
-        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-
-
 # -- what a rank writes and reads ------------------------------------------------------------------
 
 def _inner(optimizer):
     if optimizer is None:
         return None
-    from .optim import ZeroOptimizer
+    from ..optim import ZeroOptimizer
 
     if not isinstance(optimizer, ZeroOptimizer):
         raise TypeError(f"checkpoint: optimizer must be the shardlib.ZeroOptimizer of the module, got {type(optimizer).__name__}")
@@ -307,18 +109,18 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
     zero, inner = smodel._zero, _inner(optimizer)
     updated = _optimizer_params(smodel, inner) if inner is not None else {}
     sd: dict[str, Any] = {}
-    for pp, name, prm, skip in _entries(smodel):
+    for pp, name, prm, skip in entries(smodel):
         if skip:
             continue
         chunk = zero.param_chunk[id(prm)]
-        a, b, flat = _region(smodel, pp, chunk.shard)  # the master values (mixed precision)
-        sd[f"model.{name}"] = _Boxes(pp.global_shape, flat.dtype, _global_pieces(smodel, pp, a, b, flat))
+        a, b, flat = region(smodel, pp, chunk.shard)  # the master values (mixed precision)
+        sd[f"model.{name}"] = Boxes(pp.global_shape, flat.dtype, global_pieces(smodel, pp, a, b, flat))
         if inner is None or not chunk.trainable:
             continue
         for key, state in inner.state.get(updated[chunk.index], {}).items():
             if _per_element(state, chunk.opt_param):
-                a, b, flat = _region(smodel, pp, state)
-                sd[f"optim.{name}.{key}"] = _Boxes(pp.global_shape, state.dtype, _global_pieces(smodel, pp, a, b, flat))
+                a, b, flat = region(smodel, pp, state)
+                sd[f"optim.{name}.{key}"] = Boxes(pp.global_shape, state.dtype, global_pieces(smodel, pp, a, b, flat))
             elif isinstance(state, torch.Tensor) and state.dim() == 0:
                 sd[f"optim.{name}.{key}"] = state.detach().clone()
             else:
@@ -389,7 +191,7 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             shutil.rmtree(tmp)  # an earlier save that did not finish
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner())
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())
     error = [None]
     if rank == 0:
         try:
@@ -473,7 +275,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
     updated = _optimizer_params(smodel, inner) if inner is not None else {}
     states: list[tuple[torch.Tensor, str, Any]] = []  # (optimizer's param, state key, tensors)
     new_state: dict[int, dict] = {}
-    for pp, name, prm, _ in _entries(smodel):
+    for pp, name, prm, _ in entries(smodel):
         key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
         if key is None:
             problems.append(f"parameter {pp.name} {pp.global_shape} is not in the checkpoint")
@@ -482,8 +284,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
         if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != pp.global_shape:
             problems.append(f"parameter {pp.name}: shape {pp.global_shape} here, {tuple(getattr(md, 'size', ()))} in the checkpoint")
             continue
-        pieces = [p for a, b, flat in _load_targets(smodel, pp) for p in _global_pieces(smodel, pp, a, b, flat)]
-        sd[f"model.{key}"] = _Boxes(pp.global_shape, pp.dtype, pieces)
+        pieces = [p for a, b, flat in load_targets(smodel, pp) for p in global_pieces(smodel, pp, a, b, flat)]
+        sd[f"model.{key}"] = Boxes(pp.global_shape, pp.dtype, pieces)
         chunk = zero.param_chunk[id(prm)]
         if inner is None or not chunk.trainable:
             continue
@@ -497,8 +299,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
             if tuple(md.size) == pp.global_shape and len(md.size) > 0:
                 if skey not in fresh:
                     fresh[skey] = torch.zeros_like(updated[chunk.index], dtype=md.properties.dtype)
-                a, b, flat = _region(smodel, pp, fresh[skey])
-                sd[prefix + skey] = _Boxes(pp.global_shape, md.properties.dtype, _global_pieces(smodel, pp, a, b, flat))
+                a, b, flat = region(smodel, pp, fresh[skey])
+                sd[prefix + skey] = Boxes(pp.global_shape, md.properties.dtype, global_pieces(smodel, pp, a, b, flat))
             elif len(md.size) == 0:
                 if skey not in fresh:
                     fresh[skey] = torch.zeros((), dtype=md.properties.dtype)
@@ -525,7 +327,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
     for key in wanted:
         if key in saved:
             sd[key] = None
-    planner = _LoadPlanner()
+    planner = LoadPlanner()
     dcp.load(sd, storage_reader=reader, planner=planner)
     got = planner.loaded
     for path_, drop in _dropouts(smodel).items():
