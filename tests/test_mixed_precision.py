@@ -6,8 +6,8 @@ model holds the master weights; every step copies them into a ``param_dtype`` mo
 and backward there, casts the gradients to fp32 and steps AdamW on the fp32 masters.
 """
 
+import contextlib
 import copy
-import functools
 
 import pytest
 import torch
@@ -70,7 +70,7 @@ def _reference(batch, steps: int, seed: int, param_dtype: torch.dtype, scaler=No
     return records
 
 
-def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None):
+def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None, accum=1):
     mesh = shardlib.init_mesh(mesh_shape)
     torch.manual_seed(seed)
     smodel = shardlib.shard(gpt_for_tests(CONFIG), mesh, specs, **options)
@@ -83,10 +83,13 @@ def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None)
     handles = [m.register_forward_pre_hook(hook) for m in smodel.module.modules()]
     for _ in range(steps):
         mesh.comm.reset()
-        loss = smodel(*local)[1]
-        (scaler.scale(loss) if scaler else loss).backward()
+        total = torch.zeros(1, dtype=torch.float64)
+        for i, micro in enumerate(zip(*(t.chunk(accum) for t in local))):  # all but the last under no_sync()
+            with smodel.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                loss = smodel(*micro)[1] / accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += loss.detach().double()
         mesh.comm.enabled = False
-        total = loss.detach().double().reshape(1)
         if axes:
             shardlib.mesh.collectives.raw_all_reduce(total, mesh, axes, op="avg")
         grads = shardlib.full_grads(smodel)
@@ -184,25 +187,30 @@ def _world(mesh_shape: dict) -> int:
     return n
 
 
-CASE_IDS = ["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp2-zero3-reduce-bf16", "dp2xtp2-sp-zero3", "dp2xtp2-sp-zero1"]
-BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}) for s in (0, 1, 2, 3)] + [
-    ({"dp": 2}, None, {"zero_stage": 3, "reduce_dtype": torch.bfloat16}),
-    ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True}),
-    ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 1, "sequence_parallel": True}),
+CASE_IDS = ["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp2-zero3-reduce-bf16", "dp2-zero0-reduce-bf16-accum2",
+            "dp2-zero1-accum2", "dp2-zero1-reduce-bf16-accum2", "dp2xtp2-sp-zero3", "dp2xtp2-sp-zero1"]
+BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}, 1) for s in (0, 1, 2, 3)] + [
+    ({"dp": 2}, None, {"zero_stage": 3, "reduce_dtype": torch.bfloat16}, 1),
+    ({"dp": 2}, None, {"zero_stage": 0, "reduce_dtype": torch.bfloat16}, 2),
+    ({"dp": 2}, None, {"zero_stage": 1}, 2),
+    ({"dp": 2}, None, {"zero_stage": 1, "reduce_dtype": torch.bfloat16}, 2),
+    ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True}, 1),
+    ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 1, "sequence_parallel": True}, 1),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,specs,options", BF16_CASES, ids=CASE_IDS)
-def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs, options):
-    """param_dtype=bf16 on dp2 (ZeRO 0-3, fp32 or bf16 reduction) and dp2 x tp2 with sequence
-    parallelism: losses, fp32 gradients and fp32 master parameters after 3 AdamW steps equal the
-    single-process bf16-compute / fp32-master run within the bf16 tolerances above; the model
-    computes in bf16 while masters and optimizer state stay fp32 and sharded; memory and
-    communication (all-gathers in bf16: half the bytes of fp32) equal the plan's figures."""
+@pytest.mark.parametrize("mesh_shape,specs,options,accum", BF16_CASES, ids=CASE_IDS)
+def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs, options, accum):
+    """param_dtype=bf16 on dp2 (ZeRO 0-3, fp32 or bf16 reduction, no_sync() accumulation over 2
+    micro-batches) and dp2 x tp2 with sequence parallelism: losses, fp32 gradients and fp32 master
+    parameters after 3 AdamW steps equal the single-process bf16-compute / fp32-master run within
+    the bf16 tolerances above; the model computes in bf16 while masters and optimizer state stay
+    fp32 and sharded; memory and communication (all-gathers in bf16: half the bytes of fp32)
+    equal the plan's figures."""
     seed = 3
     batch = _batch(8, seed)
     options = dict(options, param_dtype=torch.bfloat16, chunk_size=900)
-    results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, STEPS, seed, options)
+    results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, STEPS, seed, options, None, accum)
     reference = _reference(batch, STEPS, seed, torch.bfloat16)
     _compare(results[0]["records"], reference, BF16_U)
     for step, got in enumerate(results[0]["records"]):
@@ -223,7 +231,7 @@ def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs,
                                    "total": plan.model_state_bytes}, (rank, res["measured"])
         tokens = batch[0].shape[0] // mesh_shape["dp"] * SEQ
         for rec in res["records"]:
-            assert rec["comm"] == plan.comm_per_step(tokens=tokens if "tp" in mesh_shape else None), (rank, rec["comm"])
+            assert rec["comm"] == plan.comm_per_step(accum, tokens=tokens // accum if "tp" in mesh_shape else None), (rank, rec["comm"])
     plan = results[0]["plan"]
     fp32 = shardlib.plan(gpt_for_tests(CONFIG), AbstractMesh(mesh_shape), specs, **dict(options, param_dtype=None, reduce_dtype=None))
     mixed, full = plan.comm_per_step(), fp32.comm_per_step()
