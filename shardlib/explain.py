@@ -53,7 +53,7 @@ def explain(plan, tokens: int | None = None) -> str:
             f"{plan.optimizer_bytes:,} B + master and gradient copies of the updated shards); on the device "
             f"{plan.device_state_bytes:,} B; the update runs on the CPU"
         )
-    if plan.offload_ratio > 0:
+    if plan.offload_ratio is not None:
         lines.append(
             f"activation offload: {plan.offload_ratio:.0%} of saved activation bytes moved to host memory in forward, "
             f"{1 - plan.offload_ratio:.0%} kept on the device (sizes depend on the data; measured in "

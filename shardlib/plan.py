@@ -162,7 +162,7 @@ class Plan:
     reduce_dtype: torch.dtype | None = None
     init_rules: tuple[tuple[str, tuple], ...] = ()  # meta-device init: (canonical name, rule); see shardlib.lazy
     init_seed: int = 0
-    offload_ratio: float = 0.0  # fraction of saved activations moved to host (shardlib.parallel.offload)
+    offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
     mesh: Any = field(compare=False, repr=False, default=None)
 
@@ -408,7 +408,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         init_seed: the seed of that initialization; default 0.
         offload_ratio: fraction in [0, 1] of saved activation bytes moved to host memory in
             forward and back in backward (haiscale's ``CPUOffload``; :mod:`shardlib.parallel.offload`);
-            default 0.
+            ``0.0`` moves nothing but measures (``smodel.activation_offload.stats``); default
+            None: no saved-tensor hooks.
         optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
             2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
         param_dtype: mixed precision (the semantics of FSDP2's ``MixedPrecisionPolicy``;
@@ -492,10 +493,11 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             f"some parameters are on the meta device and some are not (e.g. {names_of[key][0]} on {params[key].device}); "
             "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
         )
-    offload_ratio = options.get("offload_ratio", 0.0)
-    if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:
-        raise ShardingError(f"offload_ratio must be a number in [0, 1] (fraction of saved activations moved to host), got {offload_ratio!r}")
-    offload_ratio = float(offload_ratio)
+    offload_ratio = options.get("offload_ratio")
+    if offload_ratio is not None:
+        if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:
+            raise ShardingError(f"offload_ratio must be a number in [0, 1] (fraction of saved activations moved to host), got {offload_ratio!r}")
+        offload_ratio = float(offload_ratio)
 
     # Validate every spec against the mesh and its tensor.
     spec_names_data_axis = False

@@ -60,7 +60,8 @@ class ShardedModule(nn.Module):
             lazy = LazyInit(plan)
         self._zero = ZeroRuntime(module, plan, plan.mesh, lazy)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
-        self.activation_offload = ActivationOffload(plan.offload_ratio) if plan.offload_ratio > 0 else None
+        off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
+        self.activation_offload = ActivationOffload(off) if off is not None else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         zero = self._zero

@@ -37,11 +37,16 @@ def _activation_worker(stage):
         loss.backward()
         left = (off.stats.device_bytes, off.stats.host_bytes)  # all released once backward is done
         out[ratio] = (loss.item(), shardlib.full_grads(smodel), stats, left)
-    # the plan option gives the same selection as the context manager
-    smodel = shardlib.shard(init_parameters(GPT(CFG), seed=1), mesh, zero_stage=stage, offload_ratio=0.5)
-    smodel(idx, tgt)[1].backward()
-    s = smodel.activation_offload.stats
-    return out, (s.saved_bytes, s.offloaded_bytes, s.peak_device_bytes), smodel.plan.explain()
+    # the plan option gives the same selection as the context manager (0.0: measured, none moved)
+    plan_runs = {}
+    for ratio in (0.0, 0.5):
+        smodel = shardlib.shard(init_parameters(GPT(CFG), seed=1), mesh, zero_stage=stage, offload_ratio=ratio)
+        smodel(idx, tgt)[1].backward()
+        s = smodel.activation_offload.stats
+        plan_runs[ratio] = (s.saved_bytes, s.offloaded_bytes, s.peak_device_bytes)
+    plain = shardlib.shard(init_parameters(GPT(CFG), seed=1), mesh, zero_stage=stage)
+    assert plain.activation_offload is None and "activation offload" not in plain.plan.explain()
+    return out, plan_runs, smodel.plan.explain()
 
 
 @pytest.mark.multiprocess
@@ -63,7 +68,7 @@ def test_activation_offload_cuts_device_peak_by_the_ratio(stage):
             assert abs(peak / peak0 - (1 - ratio)) < 0.1, (ratio, peak / peak0)
             assert host == moved
         assert out[1.0][2][2] == 0
-        assert plan_run == out[0.5][2][:3]
+        assert plan_run[0.5] == out[0.5][2][:3] and plan_run[0.0] == out[0.0][2][:3]
         assert "activation offload: 50% of saved activation bytes moved to host memory" in explain
 
 

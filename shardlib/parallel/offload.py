@@ -310,7 +310,8 @@ class ActivationOffload:
 def activation_offload(ratio: float, min_bytes: int = 0) -> Iterator[ActivationOffload]:
     """Offload ``ratio`` of the saved activations of the forward passes inside the block.
 
-    The context-manager form of ``shard(..., offload_ratio=ratio)`` (haiscale's ``CPUOffload``),
+    The context-manager form of ``shard(..., offload_ratio=ratio)`` (haiscale's ``CPUOffload``;
+    with the option, ``smodel.activation_offload.stats`` has the figures, ``0.0`` measuring only),
     also for plain modules. Sharded modules called inside it compose it with their own hooks
     (ZeRO-3 keeps chunk views as references, parameters never move). The backward may run
     after the block: the hooks only act while tensors are saved.
