@@ -160,8 +160,8 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         smodel: a module from :func:`shardlib.shard` (pipelines included).
         optimizer: its :class:`~shardlib.ZeroOptimizer` (per-element state such as AdamW's
             ``exp_avg`` ``(global shape)`` and scalar state such as ``step``), or None.
-        extra: picklable values to restore with :func:`load` (step, data position, ...); rank
-            0's dict is the one saved.
+        extra: picklable values to restore with :func:`load` (step, data position, a
+            :class:`~shardlib.GradScaler`'s ``state_dict()``, ...); rank 0's dict is the one saved.
 
     Returns:
         ``path`` as a string.
