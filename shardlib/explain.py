@@ -66,9 +66,11 @@ def explain(plan, tokens: int | None = None) -> str:
     if mixed:
         compute = sum(c.padded_numel * c.compute_element_size for c in mixed if c.mixed_compute)
         name = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        copies = "no compute copies (param_dtype: none)" if not compute else (
+            f"compute copies in {name(plan.param_dtype)} ({compute:,} B of full chunks"
+            + (", gathered per use" if stage == 3 else ", kept, refreshed after each step") + ")")
         lines.append(
-            f"mixed precision: compute copies in {name(plan.param_dtype)} ({compute:,} B of full chunks"
-            + (", gathered per use" if stage == 3 else ", kept, refreshed after each step") + "); masters, gradients "
+            f"mixed precision: {copies}; masters, gradients "
             f"and optimizer state in {', '.join(sorted({name(c.dtype) for c in mixed}))}; gradients reduced in "
             f"{name(plan.reduce_dtype) if plan.reduce_dtype else 'the master dtype'}"
         )
