@@ -82,7 +82,7 @@ def torch_side(settings: Settings, kind: str, data) -> Side:
     return Side(label, _train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
 
 
-def worker(settings: Settings, cases=CASES) -> list[dict]:
+def worker(settings: Settings, cases=CASES, chunk_size: int | None = None) -> list[dict]:
     import shardlib
 
     mesh = shardlib.init_mesh({"dp": 2})
@@ -95,7 +95,8 @@ def worker(settings: Settings, cases=CASES) -> list[dict]:
     for case in cases:
         stage = int(case[4])
         baseline = case.split("_vs_")[1]
-        probe_plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=stage)
+        options = {} if chunk_size is None else {"chunk_size": chunk_size}
+        probe_plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=stage, **options)
         payload = sum(c.padded_numel * c.element_size for c in probe_plan.chunks if c.requires_grad)
         theory = {
             "bytes_rank0": zero_comm_theory(stage, payload, n),
@@ -104,7 +105,8 @@ def worker(settings: Settings, cases=CASES) -> list[dict]:
             "state_plan": probe_plan.model_state_bytes,
             "params": psi,
         }
-        rows.append(compare(case, lambda: shardlib_side(settings, mesh, stage, data),
+        theory["chunks"] = len(probe_plan.chunks)
+        rows.append(compare(case, lambda: shardlib_side(settings, mesh, stage, data, **options),
                             lambda: torch_side(settings, baseline, data), settings, theory))
     return rows
 
@@ -113,8 +115,10 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
+    p.add_argument("--chunk-size", type=int, default=None, help="shardlib's ZeRO chunk size in elements (default: the plan's, 4 Mi)")
     args = p.parse_args(argv)
-    return run_benchmark("data_parallel", worker, settings_from_args(args), args.out, cases=tuple(args.cases))
+    return run_benchmark("data_parallel", worker, settings_from_args(args), args.out, cases=tuple(args.cases),
+                         chunk_size=args.chunk_size)
 
 
 if __name__ == "__main__":

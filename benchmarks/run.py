@@ -68,8 +68,9 @@ def _summary_plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 3.8))
     xs = range(len(rows))
     ratios = [r["ratio"] for r in rows]
-    lo = [r["ratio"] - min(r.get("round_ratios") or [r["ratio"]]) for r in rows]
-    hi = [max(r.get("round_ratios") or [r["ratio"]]) - r["ratio"] for r in rows]
+    # the median over all steps can fall outside the range of the per-round ratios
+    lo = [max(0.0, r["ratio"] - min(r.get("round_ratios") or [r["ratio"]])) for r in rows]
+    hi = [max(0.0, max(r.get("round_ratios") or [r["ratio"]]) - r["ratio"]) for r in rows]
     ax.bar(list(xs), ratios, yerr=[lo, hi], color=["tab:green" if x <= 1 else "tab:red" for x in ratios])
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(list(xs), [r["name"] for r in rows], rotation=30, ha="right", fontsize=7)
