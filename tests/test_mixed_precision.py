@@ -39,8 +39,9 @@ def _batch(rows: int, seed: int):
     return x[:, :-1], x[:, 1:]
 
 
-def _reference(batch, steps: int, seed: int, param_dtype: torch.dtype, scaler=None):
-    """One process: fp32 masters, ``param_dtype`` forward/backward, fp32 AdamW (+ torch's GradScaler)."""
+def _reference(batch, steps: int, seed: int, param_dtype: torch.dtype, scaler=None, clip=None):
+    """One process: fp32 masters, ``param_dtype`` forward/backward, fp32 AdamW (+ torch's GradScaler,
+    unscaling before clipping to the global norm ``clip``)."""
     torch.manual_seed(seed)
     master = gpt_for_tests(CONFIG)
     compute = copy.deepcopy(master).to(param_dtype)  # deepcopy keeps the tied wte/lm_head
@@ -59,6 +60,10 @@ def _reference(batch, steps: int, seed: int, param_dtype: torch.dtype, scaler=No
             pc.grad = None
         grads = {n: None if pm.grad is None else pm.grad.clone() for n, (pm, _) in zip(names, pairs)}
         scale = scaler.get_scale() if scaler else 1.0
+        if scaler and clip is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in master.parameters() if p.grad is not None], clip)
         if scaler:
             scaler.step(opt)
             scaler.update()
@@ -71,11 +76,11 @@ def _reference(batch, steps: int, seed: int, param_dtype: torch.dtype, scaler=No
     return records
 
 
-def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None, accum=1):
+def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None, accum=1, clip=None):
     mesh = shardlib.init_mesh(mesh_shape)
     torch.manual_seed(seed)
     smodel = shardlib.shard(gpt_for_tests(CONFIG), mesh, specs, **options)
-    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, **OPT)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=clip, **OPT)  # clips after the unscale
     scaler = shardlib.GradScaler(**scaler_kwargs) if scaler_kwargs else None
     local = [shardlib.distribute(t, mesh, smodel.batch_spec) for t in batch]
     axes = smodel.plan.data_axes
@@ -114,8 +119,9 @@ def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None,
             skipped_untouched = all(torch.equal(before[k], params[k]) for k in params) and all(
                 torch.equal(v, state_after[i][k]) for i, s in state_before["state"].items() for k, v in s.items())
         opt.zero_grad()
+        norm = None if opt.last_grad_norm is None else opt.last_grad_norm.item()
         records.append({"loss": total.item(), "grads": grads, "params": params, "scale": scale, "opt_steps": steps_taken,
-                        "comm": comm, "skipped_untouched": skipped_untouched})
+                        "comm": comm, "skipped_untouched": skipped_untouched, "norm": norm})
     for h in handles:
         h.remove()
     zero = smodel._zero
@@ -237,21 +243,24 @@ def test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs,
 # skip; good at 2^15.
 FP16_STEPS = 7
 SCALER = {"init_scale": 2.0**18, "growth_interval": 2}
-FP16_CASES = [({"dp": 2}, None, {"zero_stage": 2}), ({"dp": 2}, None, {"zero_stage": 1, "optimizer_offload": True}),
-              ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True})]
+CLIP = 0.1  # below the gradient norms here (~0.9, unscaled): clipping acts (unclipped: ~1800u parameter errors)
+FP16_CASES = [({"dp": 2}, None, {"zero_stage": 2}, None), ({"dp": 2}, None, {"zero_stage": 1, "optimizer_offload": True}, None),
+              ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True}, CLIP)]
 
 
-@pytest.mark.parametrize("mesh_shape,specs,options", FP16_CASES, ids=["dp2-zero2", "dp2-zero1-optimizer-offload", "dp2xtp2-sp-zero3"])
-def test_fp16_loss_scaling_skips_the_same_steps_as_torch_gradscaler(mesh_shape, specs, options):
+@pytest.mark.parametrize("mesh_shape,specs,options,clip", FP16_CASES,
+                         ids=["dp2-zero2", "dp2-zero1-optimizer-offload", "dp2xtp2-sp-zero3-clip"])
+def test_fp16_loss_scaling_skips_the_same_steps_as_torch_gradscaler(mesh_shape, specs, options, clip):
     """param_dtype=fp16 with shardlib.GradScaler against the single-process fp16-compute /
     fp32-master run with torch.amp.GradScaler: the same scale before every step, the same steps
     skipped (AdamW's step count), skipped steps leave parameters and optimizer state bitwise
-    untouched, and results match within the fp16 tolerances."""
+    untouched, and results match within the fp16 tolerances (with global-norm clipping, which
+    must see unscaled gradients)."""
     seed = 0
     batch = _batch(8, seed)
     options = dict(options, param_dtype=torch.float16, chunk_size=900)
-    results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, FP16_STEPS, seed, options, SCALER)
-    reference = _reference(batch, FP16_STEPS, seed, torch.float16, scaler=torch.amp.GradScaler("cpu", **SCALER))
+    results = run_on(_world(mesh_shape), _sharded, mesh_shape, specs, batch, FP16_STEPS, seed, options, SCALER, 1, clip)
+    reference = _reference(batch, FP16_STEPS, seed, torch.float16, scaler=torch.amp.GradScaler("cpu", **SCALER), clip=clip)
     ref_scales = [r["scale"] for r in reference]
     assert ref_scales == [2.0**18, 2.0**17, 2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15], ref_scales
     ref_steps = [r["opt_steps"] for r in reference]
@@ -265,6 +274,9 @@ def test_fp16_loss_scaling_skips_the_same_steps_as_torch_gradscaler(mesh_shape, 
         assert all(records[s]["skipped_untouched"] for s in skipped), rank
         for s in skipped:
             assert not all(torch.isfinite(g).all() for g in records[s]["grads"].values() if g is not None)
+        if clip is not None:
+            norms = [records[s]["norm"] for s in range(FP16_STEPS) if s not in skipped]
+            assert all(n > clip for n in norms), f"clip {clip} does not act: norms {norms}"
     _compare(results[0]["records"], reference, FP16_U, skipped)
 
 
