@@ -5,10 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 __all__ = ["Boxes", "SavePlanner", "LoadPlanner"]
 
@@ -38,15 +43,14 @@ class SavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def create_local_plan(self) -> SavePlan:
-        items = []
+        plain = {k: v for k, v in self.state_dict.items() if not isinstance(v, Boxes)}  # tensors, bytes
+        items = list(create_default_local_save_plan(plain, self.is_coordinator).items)
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, Boxes):
                 props = TensorProperties(dtype=obj.dtype)
                 items += [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                                     tensor_data=TensorWriteData(chunk=c, properties=props, size=obj.size))
                           for c in obj.chunks()]
-            else:
-                items += _create_write_items(fqn, obj)
         self.plan = SavePlan(items)
         return self.plan
 
@@ -69,13 +73,11 @@ class LoadPlanner(DefaultLoadPlanner):
         self.metadata, self.is_coordinator = metadata, is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        items = []
+        plain = {k: v for k, v in self.state_dict.items() if not isinstance(v, Boxes)}  # tensors, bytes
+        items = list(create_default_local_load_plan(plain, self.metadata).items)
         for fqn, obj in self.state_dict.items():
-            md = self.metadata.state_dict_metadata[fqn]
             if isinstance(obj, Boxes):
-                items += create_read_items_for_chunk_list(fqn, md, obj.chunks())
-            else:
-                items += _create_read_items(fqn, md, obj)
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], obj.chunks())
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
