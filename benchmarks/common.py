@@ -7,7 +7,9 @@ reference :class:`~shardlib.models.GPT` built from the same seed, fed the same b
 sides alike. A step is forward, backward and the optimizer step; its time is the slowest rank's
 (``time.perf_counter`` around the step, after a barrier), and the figure reported is the median
 over ``steps`` measured steps after ``warmup`` unmeasured ones. The spread of the per-round
-ratios (median A / median B in each round) is the noise figure.
+ratios (median A / median B in each round) is the noise figure. The process CPU time of each
+step (``time.process_time``, every thread, mean over ranks) is reported too: on a machine shared
+with other jobs it moves far less than wall time, though it misses time spent waiting.
 
 Besides time, each side reports, from one more unmeasured step each:
 
@@ -401,6 +403,7 @@ def time_pair(a: Side, b: Side, settings: Settings) -> dict:
     """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` until each has
     ``settings.steps`` measured steps; returns per-step times (this rank) and losses."""
     times = {"a": [], "b": []}
+    cpu = {"a": [], "b": []}  # process CPU time per step (all threads): robust to other jobs' load
     rounds = {"a": [], "b": []}
     losses = {"a": [], "b": []}
     counters = {"a": 1, "b": 1}  # step 0 ran in compare(), when the side was built
@@ -413,15 +416,16 @@ def time_pair(a: Side, b: Side, settings: Settings) -> dict:
             block = []
             for _ in range(min(settings.block, settings.steps - len(times[key]))):
                 _barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = side.step(counters[key])
                 block.append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
                 losses[key].append(_loss_value(loss))
                 counters[key] += 1
             times[key] += block
             if block:
                 rounds[key].append(block)
-    return {"times": times, "rounds": rounds, "losses": losses, "counters": counters}
+    return {"times": times, "cpu": cpu, "rounds": rounds, "losses": losses, "counters": counters}
 
 
 def measure_side(side: Side, i: int, settings: Settings) -> dict:
@@ -509,9 +513,11 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
         steps = list(zip(*[r["timing"]["times"][key] for r in per_rank]))
         slowest = [max(s) for s in steps]
         q = statistics.quantiles(slowest, n=4) if len(slowest) >= 2 else [slowest[0]] * 3
+        cpu = [sum(c) / len(c) for c in zip(*[r["timing"]["cpu"][key] for r in per_rank])]
         row[key] = {
             "label": side.label,
             "median_s": statistics.median(slowest),
+            "cpu_median_s": statistics.median(cpu),  # process CPU seconds per step, mean over ranks
             "iqr_s": q[2] - q[0],
             "times_s": slowest,
             "losses": next(([r["first"].get(key)] + r["timing"]["losses"][key][:2] for r in per_rank
@@ -521,6 +527,7 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
         }
     if len(sides) == 2:
         row["ratio"] = row["a"]["median_s"] / row["b"]["median_s"]
+        row["cpu_ratio"] = row["a"]["cpu_median_s"] / row["b"]["cpu_median_s"]
         ra = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["a"] for r in per_rank])]
         rb = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["b"] for r in per_rank])]
         row["round_ratios"] = [x / y for x, y in zip(ra, rb)]
