@@ -21,16 +21,11 @@ import torch
 
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
+from .options import DEFAULT_CHUNK_SIZE, check_options
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
 from .spec import PartitionSpec, resolve_specs, shard_range
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
-
-DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
-DATA_AXIS_NAMES = ("dp", "fsdp")
-_OPTIONS = {"zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
-            "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
-            "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload"}
 
 
 @dataclass(frozen=True)
@@ -355,22 +350,6 @@ def _rebuild_plan(state):
     return Plan(**state)
 
 
-def _check_options(options: dict) -> None:
-    unknown = sorted(set(options) - _OPTIONS)
-    if unknown:
-        raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(_OPTIONS)}")
-
-
-def _check_dtype(option: str, value: Any) -> torch.dtype | None:
-    """``value`` if it is None or a floating-point dtype torch computes in (not float8)."""
-    if value is None or value in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        return value
-    raise ShardingError(
-        f"{option} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32) or None, "
-        f"got {value!r}{' (a string)' if isinstance(value, str) else ''}. Fix: pass e.g. {option}=torch.bfloat16"
-    )
-
-
 def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan:
     """Check ``specs`` against ``mesh`` and ``model`` and decide every parameter's layout.
 
@@ -448,38 +427,12 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         >>> p.param("weight").strategy, p.param_bytes
         ('zero-3', 32)
     """
-    _check_options(options)
     mesh_shape = dict(mesh.shape)
-    data_axes = options.get("data_axes")
-    if data_axes is None:
-        data_axes = tuple(a for a in mesh_shape if a in DATA_AXIS_NAMES)
-    else:
-        data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
-        for a in data_axes:
-            if a not in mesh_shape:
-                raise ShardingError(
-                    f"data_axes names {a!r}, which is not an axis of the mesh {mesh_shape}. Fix: use some of {list(mesh_shape)}"
-                )
-        if len(set(data_axes)) != len(data_axes):
-            raise ShardingError(f"data_axes {data_axes} names an axis twice")
-
-    chunk_size = options.get("chunk_size", DEFAULT_CHUNK_SIZE)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
-        raise ShardingError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
-    chunk_size = int(chunk_size)
-    optimizer_states = options.get("optimizer_states", 2)
-    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, (int, np.integer)) or optimizer_states < 0:
-        raise ShardingError(
-            f"optimizer_states must be a non-negative int (optimizer tensors per parameter element: AdamW 2, "
-            f"SGD with momentum 1), got {optimizer_states!r}"
-        )
-    optimizer_states = int(optimizer_states)
-    dtypes = {key: _check_dtype(key, options.get(key)) for key in ("param_dtype", "reduce_dtype")}
+    opts = check_options(options, mesh_shape)
+    data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
     resolved = resolve_specs(model, specs, options.get("logical_axis_rules"), strict=options.get("strict_specs", True))
-    pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
-    if pp_axis is not None and pp_axis not in mesh_shape:
-        raise ShardingError(f"pp_axis {pp_axis!r} is not an axis of the mesh {mesh_shape}")
+    pp_axis = opts.pp_axis
     names_of: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for name, prm in model.named_parameters(remove_duplicate=False):
@@ -493,11 +446,6 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             f"some parameters are on the meta device and some are not (e.g. {names_of[key][0]} on {params[key].device}); "
             "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
         )
-    offload_ratio = options.get("offload_ratio")
-    if offload_ratio is not None:
-        if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:
-            raise ShardingError(f"offload_ratio must be a number in [0, 1] (fraction of saved activations moved to host), got {offload_ratio!r}")
-        offload_ratio = float(offload_ratio)
 
     # Validate every spec against the mesh and its tensor.
     spec_names_data_axis = False
@@ -592,11 +540,11 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         sp_exit=sp_exit,
         sp_grad_params=sp_grad_params,
         dropout_seed=int(options.get("dropout_seed", 0)),
-        param_dtype=dtypes["param_dtype"],
-        reduce_dtype=dtypes["reduce_dtype"],
+        param_dtype=opts.param_dtype,
+        reduce_dtype=opts.reduce_dtype,
         init_rules=tuple((n, r) for n, r in init_rules.items() if params_meta),
         init_seed=int(options.get("init_seed", 0)),
-        offload_ratio=offload_ratio,
+        offload_ratio=opts.offload_ratio,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
         mesh=mesh,
     )
