@@ -321,6 +321,21 @@ def test_kill_mid_save_keeps_previous_checkpoint(tmp_path):
     assert ckpt.latest(str(tmp_path)) in (path, str(tmp_path / "again"))
 
 
+def test_a_save_stopped_while_renaming_is_named(tmp_path):
+    """Killed between rank 0's two renames (old checkpoint aside, new one into place): the error
+    says which folder holds which checkpoint (checked by every rank before communication)."""
+    path = str(tmp_path / "ckpt")
+    os.makedirs(path + ".old")
+    with pytest.raises(ckpt.CheckpointError, match=r"ckpt\.old' is the checkpoint it was replacing"):
+        ckpt._check_complete(path)
+    os.makedirs(path + ".partial")
+    with pytest.raises(ckpt.CheckpointError, match=r"ckpt\.partial' is a save that did not finish"):
+        ckpt._check_complete(path)
+    open(os.path.join(path + ".partial", ckpt.MARKER), "w").close()
+    with pytest.raises(ckpt.CheckpointError, match=r"ckpt\.partial' is a finished save that was not renamed"):
+        ckpt._check_complete(path)
+
+
 def _bad_loads(path):
     out = []
     mesh = shardlib.init_mesh({"dp": 2})

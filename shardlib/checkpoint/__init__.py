@@ -217,10 +217,16 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
 
 def _check_complete(path: str) -> dict:
     if not os.path.isdir(path):
+        if os.path.exists(os.path.join(path + _PARTIAL, MARKER)):  # stopped between the final renames
+            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + _PARTIAL!r} is a finished save that was "
+                                  f"not renamed (stopped while renaming): rename it to {path!r} to load it")
         if os.path.isdir(path + _PARTIAL):
             raise CheckpointError(
                 f"checkpoint {path!r} does not exist; {path + _PARTIAL!r} is a save that did not finish (killed or "
                 f"failed before every rank was done). Load an earlier checkpoint")
+        if os.path.isdir(path + ".old"):  # killed between the two renames of an overwrite
+            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + '.old'!r} is the checkpoint it was "
+                                  f"replacing (the save stopped while renaming): rename it back to load it")
         raise CheckpointError(f"checkpoint {path!r} does not exist (no such folder)")
     missing = [f for f in (MARKER, ".metadata") if not os.path.exists(os.path.join(path, f))]
     if missing:
