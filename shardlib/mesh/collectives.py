@@ -8,9 +8,10 @@ JAX's ``shard_map``, the backward of ``all_reduce`` is the identity: the cotange
 all-reduce backward): Megatron's ``f`` and ``g`` operators (arXiv 1909.08053, section 3).
 
 The ``raw_*`` functions are the non-autograd layer the strategies use on flat buffers. On gloo,
-all-gather and reduce-scatter are done with an all-reduce (see STYLE.md: gloo's own
-``all_gather_into_tensor`` measured 4-5x slower than an all-reduce of the same output, and its
-reduce-scatter is an all-reduce underneath); the accounting still records the logical kind.
+reduce-scatter is done with an all-reduce (gloo's own is an all-reduce underneath, and slower),
+and so is an all-gather of more than 16 MiB (gloo's ``all_gather_into_tensor`` is faster below
+that size and slower above, see ``_GLOO_NATIVE_GATHER_BYTES``); the accounting still records
+the logical kind.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def _done() -> Handle:
     return h
 
 
+# gloo, torch 2.13, 2 ranks (benchmarks/README.md): all_gather_into_tensor beats an all-reduce of the
+# zero-padded output up to 16 MiB (16 MiB: 25 vs 33 ms wall, 10 vs 13 ms CPU) and loses above
+# (32 MiB: 83 vs 55-75 ms; 64 MiB: 154 vs 87 ms); ZeRO's default chunk is 16 MiB of fp32.
+_GLOO_NATIVE_GATHER_BYTES = 16 << 20
+
+
 def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False) -> Handle:
     """Gather equal shards into the flat ``out`` (``out.numel() == N * shard.numel()``).
 
@@ -109,7 +116,14 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
         return _done()
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
     group = mesh.group(names)
-    if mesh.backend == "gloo":
+    if mesh.backend == "gloo" and out.numel() * out.element_size() <= _GLOO_NATIVE_GATHER_BYTES:
+        src = shard.view(-1)
+        if src.data_ptr() == slot.data_ptr():  # in place: gloo's gather copies its input into out
+            src = src.clone()
+        # all_gather_single is the new name; torch 2.13 deprecates all_gather_into_tensor
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out.view(-1), src, group=group, async_op=True)
+    elif mesh.backend == "gloo":
         flat = out.view(-1)
         if slot.data_ptr() != shard.data_ptr():
             slot.copy_(shard.view(-1))
