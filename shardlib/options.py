@@ -50,7 +50,7 @@ def _check_dtype(option: str, value: Any) -> torch.dtype | None:
     if value is None or value in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         return value
     raise ShardingError(
-        f"{option} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32) or None, "
+        f"{option} must be a floating-point torch.dtype (torch.bfloat16, torch.float16, torch.float32, torch.float64) or None, "
         f"got {value!r}{' (a string)' if isinstance(value, str) else ''}. Fix: pass e.g. {option}=torch.bfloat16"
     )
 

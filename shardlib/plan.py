@@ -398,7 +398,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             (fp32) on the ZeRO shards. Stage 3 casts its shard and all-gathers in
             ``param_dtype`` (half the bytes of fp32); stages 0-2 keep a full compute copy,
             refreshed from the masters after every optimizer step. The module's parameters
-            (``p.data``) are the compute copies; floating-point tensors among the inputs of
+            (``p.data``) are the compute copies, and their ``p.grad`` stays None (gradients go
+            straight into the fp32 flat buffers: :func:`shardlib.full_grads` reads them); floating-point tensors among the inputs of
             ``smodel(...)`` are cast to ``param_dtype`` (FSDP2's ``cast_forward_inputs``), outputs
             are left as computed; buffers are not cast (cast them yourself if the model needs it).
             ``None`` (default): no mixed precision.

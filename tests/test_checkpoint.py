@@ -346,6 +346,13 @@ def _bad_loads(path):
             ckpt.load(path, smodel)
         except ckpt.CheckpointError as exc:
             out.append(str(exc))
+    smodel = shardlib.shard(_make("tied", 1), mesh, zero_stage=3, chunk_size=64)
+    sgd = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.5, momentum=0.9)
+    try:  # AdamW's state and weight decay must not land in an SGD optimizer
+        ckpt.load(path, smodel, sgd)
+    except ckpt.CheckpointError as exc:
+        out.append(str(exc))
+    out.append(sgd.param_groups[0]["lr"])
     return out
 
 
@@ -353,9 +360,11 @@ def test_bad_loads_raise_on_every_rank(tmp_path):
     path = str(tmp_path / "ckpt")
     run_on(2, _save_side, path, "tied", {"dp": 2}, 3, 64, 1)
     for messages in run_on(2, _bad_loads, path):  # both ranks raise, and the pool is not stuck
-        shape, missing = messages
+        shape, missing, other_optimizer, lr = messages
         assert "wte.weight: shape (37, 12) here, (37, 10) in the checkpoint" in shape and path in shape
         assert "parameter gain (6,) is not in the checkpoint" in missing
+        assert "torch.optim.adamw.AdamW optimizer, but the optimizer given is a torch.optim.sgd.SGD" in other_optimizer
+        assert lr == 0.5  # untouched
 
 
 # -- exact resume ----------------------------------------------------------------------------------

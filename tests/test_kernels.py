@@ -329,6 +329,17 @@ def test_env_switch_off(monkeypatch):
     assert _dispatch.enabled()
 
 
+def test_env_switch_typo_warns(monkeypatch):
+    monkeypatch.setenv("SHARDLIB_KERNELS", "flase")
+    try:
+        with pytest.warns(UserWarning, match="SHARDLIB_KERNELS='flase' is not understood"):
+            importlib.reload(_dispatch)
+        assert _dispatch.enabled()
+    finally:
+        monkeypatch.delenv("SHARDLIB_KERNELS")
+        importlib.reload(_dispatch)
+
+
 # -- Triton programs -----------------------------------------------------------------------------
 
 

@@ -69,6 +69,14 @@ def _inner(optimizer):
     return optimizer.optimizer
 
 
+def _optimizer_kind(inner) -> str:
+    """The torch optimizer class ``inner`` is or derives from (``FusedAdamW`` saves as
+    ``torch.optim.AdamW``: same state and hyperparameters), as ``module.Name``."""
+    cls = next((c for c in type(inner).__mro__ if c.__module__.startswith("torch.optim") and c is not torch.optim.Optimizer),
+               type(inner))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _optimizer_params(smodel: ShardedModule, inner) -> dict[int, torch.Tensor]:
     """``{chunk index: the tensor the optimizer updates for it}``: the chunk's flat shard, or its
     host copy under optimizer offload (``ZeroOptimizer`` builds its groups in chunk order)."""
@@ -196,7 +204,9 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     if rank == 0:
         try:
             info = dict(format=FORMAT_VERSION, world_size=dist.get_world_size(), mesh=dict(smodel.mesh.shape),
-                        zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None, time=time.time())
+                        zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None,
+                        optimizer_class=_optimizer_kind(optimizer.optimizer) if optimizer is not None else None,
+                        time=time.time())
             with open(os.path.join(tmp, MARKER + ".tmp"), "w") as f:
                 json.dump(info, f, indent=1)
             os.replace(os.path.join(tmp, MARKER + ".tmp"), os.path.join(tmp, MARKER))
@@ -263,7 +273,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
         CheckpointError: on every rank before any communication: ``path`` missing or a save that
             did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a parameter or
             buffer missing from the checkpoint or of another global shape; ``optimizer`` given
-            but the checkpoint has no optimizer state.
+            but the checkpoint has no optimizer state, or the state of another optimizer class
+            (AdamW saved, SGD given).
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
     """
     if not isinstance(smodel, ShardedModule):
@@ -275,6 +286,11 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
     saved = reader.read_metadata().state_dict_metadata
     if inner is not None and not info.get("optimizer"):
         raise CheckpointError(f"checkpoint {path!r} was saved without optimizer state; call load() without optimizer")
+    if inner is not None and info.get("optimizer_class") not in (None, _optimizer_kind(inner)):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds the state of a {info['optimizer_class']} optimizer, but the optimizer given is a "
+            f"{_optimizer_kind(inner)}: its state and hyperparameters would not fit. Fix: build the ZeroOptimizer with "
+            f"{info['optimizer_class']}, or call load() without optimizer (weights only)")
     zero = smodel._zero
     sd: dict[str, Any] = {}
     problems: list[str] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Iterator
 
 import torch
@@ -41,7 +42,18 @@ def triton_available() -> bool:
 __all__ = ["triton_available", "enabled", "set_enabled", "use_kernels", "use_triton"]
 
 _OFF = ("0", "false", "off", "no")
-_enabled = os.environ.get("SHARDLIB_KERNELS", "1").strip().lower() not in _OFF
+_ON = ("", "1", "true", "on", "yes")
+
+
+def _from_environment() -> bool:
+    value = os.environ.get("SHARDLIB_KERNELS", "1").strip().lower()
+    if value not in _OFF + _ON:
+        warnings.warn(f"SHARDLIB_KERNELS={value!r} is not understood (kernels stay on): use one of {_ON[1:]} "
+                      f"(kernels on) or {_OFF} (kernels off)", stacklevel=2)
+    return value not in _OFF
+
+
+_enabled = _from_environment()
 
 
 def enabled() -> bool:
