@@ -43,6 +43,7 @@ import torch
 from .report import print_table, summarize, write_outputs
 
 __all__ = [
+    "train_step",
     "Settings", "SIZES", "Side", "CollectiveProbe", "add_common_args", "settings_from_args", "make_gpt", "batches",
     "time_pair", "measure_side", "storage_bytes", "torch_state_bytes", "saved_activation_bytes", "activation_bytes", "zero_state_formula",
     "zero_comm_theory", "compare", "print_table", "write_outputs", "summarize", "worker_group", "run_benchmark",
@@ -239,6 +240,21 @@ class CollectiveProbe(torch.utils._python_dispatch.TorchDispatchMode):
 
 # ---------------------------------------------------------------------------------------------
 # memory
+
+
+def train_step(model, opt, data: list) -> Callable[[int], Any]:
+    """``step(i)``: one optimizer step of ``model(x, y) -> (logits, loss)`` on ``data[i % len]``;
+    returns the loss (the same closure for every non-pipeline side)."""
+
+    def step(i):
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
 
 
 def storage_bytes(tensors, seen: set | None = None) -> int:

@@ -25,22 +25,10 @@ import argparse
 
 import torch
 
-from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
+from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
     torch_state_bytes, zero_comm_theory, zero_state_formula
 
 CASES = ("zero0_vs_ddp", "zero1_vs_zero_redundancy", "zero2_vs_fsdp2_noreshard", "zero3_vs_fsdp2")
-
-
-def _train_step(model, opt, data):
-    def step(i):
-        x, y = data[i % len(data)]
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
 
 
 def shardlib_side(settings: Settings, mesh, stage: int, data, **options) -> Side:
@@ -48,7 +36,7 @@ def shardlib_side(settings: Settings, mesh, stage: int, data, **options) -> Side
 
     smodel = shardlib.shard(make_gpt(settings), mesh, zero_stage=stage, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
-    return Side(f"shardlib zero-{stage}", _train_step(smodel, opt, data), [smodel], [opt.optimizer],
+    return Side(f"shardlib zero-{stage}", train_step(smodel, opt, data), [smodel], [opt.optimizer],
                 lambda: shardlib.model_state_bytes(smodel, opt), mesh,
                 {"plan_bytes": sum(b for _, b in smodel.plan.comm_per_step().values()),
                  "plan_state": smodel.plan.model_state_bytes})
@@ -62,13 +50,13 @@ def torch_side(settings: Settings, kind: str, data) -> Side:
     if kind == "ddp":
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=settings.lr)
-        return Side("DDP", _train_step(ddp, opt, data), [ddp], [opt], lambda: torch_state_bytes(ddp, opt))
+        return Side("DDP", train_step(ddp, opt, data), [ddp], [opt], lambda: torch_state_bytes(ddp, opt))
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = DDP(model)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=settings.lr)
-        return Side("DDP+ZeroRedundancyOpt", _train_step(ddp, opt, data), [ddp], [opt.optim], lambda: torch_state_bytes(ddp, opt))
+        return Side("DDP+ZeroRedundancyOpt", train_step(ddp, opt, data), [ddp], [opt.optim], lambda: torch_state_bytes(ddp, opt))
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -79,7 +67,7 @@ def torch_side(settings: Settings, kind: str, data) -> Side:
     fully_shard(model, mesh=dm, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     label = "FSDP2" if reshard else "FSDP2 no-reshard"
-    return Side(label, _train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
+    return Side(label, train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
 
 
 def worker(settings: Settings, cases=CASES, chunk_size: int | None = None) -> list[dict]:

@@ -14,22 +14,10 @@ import argparse
 
 import torch
 
-from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
+from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
     torch_state_bytes, zero_state_formula
 
 CASES = ("shard_dp1_vs_plain",)
-
-
-def _step(model, opt, data):
-    def step(i):
-        x, y = data[i % len(data)]
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
 
 
 def worker(settings: Settings, cases=CASES, zero_stage: int = 3) -> list[dict]:
@@ -41,13 +29,13 @@ def worker(settings: Settings, cases=CASES, zero_stage: int = 3) -> list[dict]:
     def a():
         smodel = shardlib.shard(make_gpt(settings), mesh, zero_stage=zero_stage)
         opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
-        return Side(f"shardlib dp=1 (zero_stage={zero_stage})", _step(smodel, opt, data), [smodel], [opt.optimizer],
+        return Side(f"shardlib dp=1 (zero_stage={zero_stage})", train_step(smodel, opt, data), [smodel], [opt.optimizer],
                     lambda: shardlib.model_state_bytes(smodel, opt), mesh)
 
     def b():
         model = make_gpt(settings)
         opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
-        return Side("plain PyTorch", _step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
+        return Side("plain PyTorch", train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
 
     psi = make_gpt(settings).num_params()
     theory = {"bytes_rank0": 0.0, "bytes_formula": "one rank: nothing to communicate",

@@ -25,22 +25,10 @@ from fractions import Fraction
 
 import torch
 
-from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
+from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
     torch_state_bytes, zero_state_formula
 
 CASES = ("tp_vs_parallelize_module", "tp_sp_vs_parallelize_module_sp")
-
-
-def _step(model, opt, data):
-    def step(i):
-        x, y = data[i % len(data)]
-        opt.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
 
 
 def torch_tp_plan(n_layer: int, sequence_parallel: bool) -> dict:
@@ -75,7 +63,7 @@ def shardlib_side(settings: Settings, mesh, sp: bool, data) -> Side:
     options = dict(sequence_parallel=True, sp_exit="ln_f") if sp else {}
     smodel = shardlib.shard(make_gpt(settings), mesh, tp_specs("tp"), **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
-    return Side("shardlib tp+sp" if sp else "shardlib tp", _step(smodel, opt, data), [smodel], [opt.optimizer],
+    return Side("shardlib tp+sp" if sp else "shardlib tp", train_step(smodel, opt, data), [smodel], [opt.optimizer],
                 lambda: shardlib.model_state_bytes(smodel, opt), mesh)
 
 
@@ -88,7 +76,7 @@ def torch_side(settings: Settings, sp: bool, data) -> Side:
     dm = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(model, dm, torch_tp_plan(model.config.n_layer, sp))
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
-    return Side("parallelize_module+SP" if sp else "parallelize_module", _step(model, opt, data), [model], [opt],
+    return Side("parallelize_module+SP" if sp else "parallelize_module", train_step(model, opt, data), [model], [opt],
                 lambda: torch_state_bytes(model, opt))
 
 
