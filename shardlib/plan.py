@@ -22,109 +22,11 @@ import torch
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
 from .options import DEFAULT_CHUNK_SIZE, check_options
+from .plan_items import ChunkPlan, ParamPlan
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
-from .spec import PartitionSpec, resolve_specs, shard_range
+from .spec import resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
-
-
-@dataclass(frozen=True)
-class ParamPlan:
-    """The decision for one unique parameter.
-
-    Attributes:
-        name: canonical name (first in ``named_parameters()``); ``aliases`` holds tied names.
-        global_shape: the full shape.
-        spec: the PartitionSpec after logical-axis translation; ``source`` says where it came from.
-        strategy: the tensor-parallel role (``"column"``, ``"row"``, ``"vocab"``, ``"embed_dim"``)
-            if any, joined with the data-parallel one (``"replicated"`` at zero_stage 0, else
-            ``"zero-1"`` ... ``"zero-3"``), e.g. ``"column+zero-3"``.
-        tp_axis, tp_dim: the tensor axis and the dimension split over it (``None``: replicated
-            over every non-data axis).
-    """
-
-    name: str
-    aliases: tuple[str, ...]
-    global_shape: tuple[int, ...]
-    dtype: torch.dtype
-    spec: PartitionSpec
-    source: str
-    strategy: str
-    requires_grad: bool
-    tp_axis: str | None = None
-    tp_dim: int | None = None
-    tp_fused: int = 1
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.global_shape:
-            n *= s
-        return n
-
-    def local_shape(self, mesh_shape: dict[str, int], coords: dict[str, int]) -> tuple[int, ...]:
-        """The shape of this parameter's tensor-parallel shard at ``coords`` (before ZeRO)."""
-        if self.tp_axis is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        block = shape[self.tp_dim] // self.tp_fused
-        lo, hi = shard_range(block, mesh_shape[self.tp_axis], coords[self.tp_axis])
-        shape[self.tp_dim] = (hi - lo) * self.tp_fused
-        return tuple(shape)
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """A flat buffer of consecutive parameters (ZeRO's unit of communication).
-
-    Attributes:
-        numel: elements used by parameters; ``padded_numel`` rounds up to a multiple of the
-            data-axis size ``parts``; each rank owns ``shard_numel = padded_numel // parts``.
-        dtype: the dtype of the parameters, which the master copy and optimizer state keep.
-        compute_dtype: the dtype of the copy forward/backward use (``param_dtype``; ``None``:
-            ``dtype``). reduce_dtype: the dtype gradients are reduced in (``None``: ``dtype``).
-    """
-
-    index: int
-    dtype: torch.dtype
-    requires_grad: bool
-    params: tuple[str, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    padded_numel: int
-    parts: int
-    tp_sharded: bool = False
-    compute_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-
-    @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.parts
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def compute_element_size(self) -> int:
-        """Bytes per element of the compute copy (what all-gathers move)."""
-        return (self.compute_dtype or self.dtype).itemsize
-
-    @property
-    def reduce_element_size(self) -> int:
-        """Bytes per element of gradient reductions."""
-        return (self.reduce_dtype or self.dtype).itemsize
-
-    @property
-    def mixed_compute(self) -> bool:
-        """Forward/backward use a copy in another dtype than the (master) parameters."""
-        return self.compute_dtype is not None and self.compute_dtype != self.dtype
-
-    @property
-    def separate_grads(self) -> bool:
-        """Gradients are reduced in another dtype than the master's: reduced in a transient
-        buffer, then added into the master-dtype gradient shard."""
-        return self.reduce_dtype is not None and self.reduce_dtype != self.dtype
 
 
 @dataclass(frozen=True)
