@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..mesh.collectives import raw_all_reduce
+from ..parallel.cross_entropy import loss_from_stats
 from ._dispatch import triton_available, use_triton
 
 __all__ = ["vocab_ce_stats", "vocab_ce_grad_", "vocab_ce_stats_reference", "vocab_ce_grad_reference_",
@@ -194,11 +195,7 @@ class _FusedVocabParallelCE(torch.autograd.Function):
         picked = torch.where(mine, xt - m, torch.zeros_like(xt))
         stats = torch.stack([picked, sx - logits.shape[1] * m]) if eps else picked.unsqueeze(0)
         raw_all_reduce(stats, mesh, axis)
-        log_z = s.log()
-        loss = log_z - stats[0]
-        if eps:
-            loss = (1 - eps) * loss + eps * (log_z - stats[1] / vocab)
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        loss = loss_from_stats(s.log(), stats, valid, eps, vocab)
         ctx.save_for_backward(logits, target_local, m, s, valid)
         ctx.eps, ctx.vocab, ctx.inplace = eps, vocab, inplace
         return loss

@@ -38,11 +38,7 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = torch.where(mine, shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) if hi > lo else torch.zeros_like(m), torch.zeros_like(m))
         stats = torch.stack([picked, shifted.sum(dim=-1)]) if eps else picked.unsqueeze(0)
         raw_all_reduce(stats, mesh, axis)
-        log_z = sum_exp.log()
-        loss = log_z - stats[0]
-        if eps:
-            loss = (1 - eps) * loss + eps * (log_z - stats[1] / vocab)
-        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        loss = loss_from_stats(sum_exp.log(), stats, valid, eps, vocab)
         ctx.save_for_backward(exp, sum_exp, local_t, mine, valid)
         ctx.eps, ctx.vocab = eps, vocab
         return loss
@@ -58,6 +54,17 @@ class _VocabParallelCE(torch.autograd.Function):
             grad = grad - (1 - ctx.eps) * onehot
         grad = grad * (g * valid).unsqueeze(-1)
         return grad, None, None, None, None, None, None
+
+
+def loss_from_stats(log_z: torch.Tensor, stats: torch.Tensor, valid: torch.Tensor, eps: float, vocab: int) -> torch.Tensor:
+    """Per-row loss from the tensor-axis sums of the max-shifted statistics (both the torch and
+    the fused path): ``log_z`` is log sum exp(x - m) over the whole vocabulary ``(N,)``;
+    ``stats[0]`` the target's shifted logit, ``stats[1]`` (label smoothing ``eps > 0``) the sum
+    of the shifted logits; rows that are not ``valid`` (ignore_index) give 0."""
+    loss = log_z - stats[0]
+    if eps:
+        loss = (1 - eps) * loss + eps * (log_z - stats[1] / vocab)
+    return torch.where(valid, loss, torch.zeros_like(loss))
 
 
 def _fused_applies(flat: torch.Tensor) -> bool:
