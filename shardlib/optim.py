@@ -93,9 +93,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             copies down.
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``, ``weight_decay=...``).
 
-    With ``torch.optim.AdamW`` on CUDA (triton installed, :mod:`shardlib.kernels` enabled) the
-    inner optimizer is :class:`shardlib.kernels.FusedAdamW`: the same update, state and
-    ``state_dict``, one fused kernel launch per flat shard.
+    With ``torch.optim.AdamW`` (:mod:`shardlib.kernels` enabled, no ``foreach``/``fused``
+    argument) the inner optimizer is :class:`shardlib.kernels.FusedAdamW`: the same update, state
+    and ``state_dict``, one fused Triton launch per flat shard on CUDA, torch's own update in
+    cache-sized blocks of the flat shard on CPU (equal to ``torch.optim.AdamW`` bit for bit).
 
     Mixed precision (``shard(..., param_dtype=...)``): the optimizer updates the master shards
     (the parameters' own dtype, fp32) with fp32 gradients and state, and ``step()`` refreshes the
@@ -131,8 +132,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload = smodel.plan.optimizer_offload if offload is None else bool(offload)
         self.offload = OptimizerOffload(self._zero.optimizer_params()) if offload else None  # ZeRO-Offload
         params = self.offload.host_params if offload else self._zero.optimizer_params()
-        if not offload and optimizer_cls is torch.optim.AdamW and kernels.use_triton(*params):
-            optimizer_cls = kernels.FusedAdamW  # CUDA: one fused launch per shard, torch's state and state_dict
+        if optimizer_cls is torch.optim.AdamW and _fusable_adamw(params, optimizer_kwargs):
+            optimizer_cls = kernels.FusedAdamW  # one fused pass per shard, torch's state and state_dict
         self.optimizer = optimizer_cls(params, **optimizer_kwargs)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
@@ -154,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._zero.settle_grads()
         if self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(self.smodel, self.max_grad_norm)
         if self.offload is not None:
@@ -164,7 +166,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (flat buffers are reused, so ``set_to_none`` is ignored)."""
+        """Zero the gradients (the flat buffers are reused and zeroed lazily; ``set_to_none`` is
+        ignored). Same as ``smodel.zero_grad()``."""
         self._zero.zero_grad()
 
     def state_dict(self) -> dict:
@@ -174,6 +177,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+
+
+def _fusable_adamw(params: list[torch.Tensor], kwargs: dict) -> bool:
+    """Whether torch.optim.AdamW over ``params`` may become :class:`shardlib.kernels.FusedAdamW`:
+    kernels on, no implementation chosen by the caller, all on CUDA with triton or all on CPU."""
+    if not kernels.enabled() or any(kwargs.get(k) for k in ("foreach", "fused", "capturable", "differentiable")):
+        return False
+    return kernels.use_triton(*params) or all(p.device.type == "cpu" for p in params)
 
 
 _READY, _UNSCALED, _STEPPED = 0, 1, 2

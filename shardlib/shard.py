@@ -104,6 +104,15 @@ class ShardedModule(nn.Module):
         rank takes its own shards, so there is no communication. See :func:`load_full_state_dict`."""
         return load_full_state_dict(self, state_dict, strict=strict)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every gradient: the flat ZeRO gradient buffers (lazily, no memset) and, under
+        stage 0, the parameters' ``.grad`` (set to None until the next backward). Same as
+        :meth:`ZeroOptimizer.zero_grad`; ``set_to_none`` is accepted for torch's signature.
+
+        Under stages 1-3 the parameters' ``.grad`` stays None, so ``zero_grad()`` of the wrapped
+        module cannot see the buffers: call this method or the optimizer's."""
+        self._zero.zero_grad()
+
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split along (gradients are averaged over them)."""

@@ -95,11 +95,37 @@ def test_fused_adamw_is_torch_adamw_on_cpu():
         oa.set_param_copy(a, torch.empty(3))
 
 
-def test_zero_optimizer_keeps_torch_adamw_on_cpu():
+@pytest.mark.parametrize("n", [kernels.CPU_BLOCK * 3, kernels.CPU_BLOCK * 2 + 37, 100])
+def test_fused_adamw_cpu_blocks_equal_torch_adamw_bitwise(n):
+    """The CPU path runs torch's single-tensor update block by block (CPU_BLOCK elements): the
+    same arithmetic per element, so parameters and both moments equal torch.optim.AdamW's
+    exactly, also for a length that leaves a partial last block."""
+    torch.manual_seed(2)
+    w0 = torch.randn(n)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    oa = kernels.FusedAdamW([a], lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)
+    ob = torch.optim.AdamW([b], lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    oa.set_param_copy(a, copy)
+    for _ in range(3):
+        g = torch.randn(n) * 1e-3
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(a, b) and torch.equal(copy, b.detach().bfloat16())
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(oa.state[a][key], ob.state[b][key]), key
+
+
+def test_zero_optimizer_picks_fused_adamw_on_cpu_unless_told_otherwise():
     mesh = shardlib.init_mesh({"dp": 1})
     smodel = shardlib.shard(torch.nn.Linear(4, 2), mesh)
-    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
-    assert type(opt.optimizer) is torch.optim.AdamW  # CPU tensors: no kernel, the path of before
+    assert type(shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3).optimizer) is kernels.FusedAdamW
+    # the caller chose torch's implementation, or turned the kernels off: torch's AdamW as given
+    assert type(shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3, foreach=True).optimizer) is torch.optim.AdamW
+    with kernels.use_kernels(False):
+        assert type(shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3).optimizer) is torch.optim.AdamW
+    assert type(shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=1e-3).optimizer) is torch.optim.SGD
 
 
 # -- norms ---------------------------------------------------------------------------------------

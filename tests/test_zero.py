@@ -139,6 +139,57 @@ def test_gradients_accumulate_without_zero_grad_and_step_after_no_sync_raises(st
     assert raised is not None and "no_sync" in raised
 
 
+class _Branchy(torch.nn.Module):
+    """Two linears; ``b`` only runs when asked, so a backward can leave it without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 5)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.a(x))
+        return (self.b(h) if use_b else h).square().mean()
+
+
+def _zero_grad_worker(stage, how):
+    """Backward A (all parameters), zero the gradients ``how``, backward B (``b`` unused): the
+    gradients must equal those of backward B alone on a fresh sharding of the same model."""
+    mesh = shardlib.init_mesh({"dp": 2})
+    g = torch.Generator().manual_seed(mesh.rank)
+    xa, xb = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    out = []
+    for zeroed in (True, False):
+        torch.manual_seed(0)
+        model = _Branchy()
+        smodel = shardlib.shard(model, mesh, zero_stage=stage, chunk_size=40)  # a and b in different chunks
+        opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.0)
+        if zeroed:
+            smodel(xa, True).backward()
+            {"optimizer": opt.zero_grad, "sharded module": smodel.zero_grad, "inner module": model.zero_grad}[how]()
+            if stage == 0 and how != "inner module":
+                assert all(p.grad is None for p in model.parameters())  # torch's set_to_none
+        smodel(xb, False).backward()
+        out.append(shardlib.full_grads(smodel))
+        if stage == 0:  # after the reduction every .grad is the reduced gradient, a view into the chunk
+            assert torch.equal(model.a.weight.grad, out[-1]["a.weight"]) and not model.b.weight.grad.any()
+    return out
+
+
+@pytest.mark.parametrize("stage,how", [(s, h) for s in range(4) for h in ("optimizer", "sharded module")]
+                         + [(0, "inner module")])
+def test_zero_grad_then_backward_with_an_unused_parameter(stage, how):
+    """zero_grad is lazy (buffers marked stale, first gradients copied in, untouched regions
+    zeroed before the reduction): the gradients after it equal a fresh run's, and the unused
+    ``b`` has a zero gradient, not backward A's. ``smodel.zero_grad()`` used to leave the flat
+    buffers untouched (gradients doubled); under stage 0 the wrapped module's own
+    ``zero_grad()`` (``.grad`` set to None) works too."""
+    for after, fresh in run_on(2, _zero_grad_worker, stage, how):
+        for name in fresh:
+            assert torch.equal(after[name], fresh[name]), name
+        assert not after["b.weight"].any() and after["a.weight"].any()
+
+
 def _buffer_worker():
     mesh = shardlib.init_mesh({"dp": 2})
     torch.manual_seed(mesh.rank)  # deliberately different initial values per rank

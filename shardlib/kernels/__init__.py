@@ -6,10 +6,12 @@ implementation, so it composes with autograd and ``torch.compile``; its file hol
 program and a plain-torch reference. The Triton program runs on CUDA tensors when ``triton``
 imports and kernels are enabled; otherwise (CPU, no triton, kernels off) the reference runs.
 
-Where shardlib uses them (CUDA only; the CPU paths are unchanged):
+Where shardlib uses them (CUDA; on CPU only the optimizer, whose reference runs in cache-sized
+blocks):
 
 - :class:`~shardlib.ZeroOptimizer` with ``torch.optim.AdamW`` builds a :class:`FusedAdamW`
-  (one launch per flat chunk shard; the same ``state`` and ``state_dict`` as torch's);
+  (one launch per flat chunk shard on CUDA, torch's update block by block on CPU; the same
+  ``state`` and ``state_dict`` as torch's);
 - :func:`~shardlib.parallel.vocab_parallel_cross_entropy` uses the fused statistics and the
   in-place gradient (:mod:`.cross_entropy`);
 - :class:`shardlib.models.GPT`'s LayerNorms call :func:`layer_norm`.
@@ -28,7 +30,7 @@ import importlib
 from ._dispatch import enabled, set_enabled, triton_available, use_kernels, use_triton
 
 _LAZY = {
-    "FusedAdamW": "adamw", "adamw_": "adamw", "adamw_reference_": "adamw",
+    "FusedAdamW": "adamw", "adamw_": "adamw", "adamw_reference_": "adamw", "CPU_BLOCK": "adamw",
     "fused_ce_applies": "cross_entropy", "fused_vocab_parallel_ce": "cross_entropy",
     "vocab_ce_grad_": "cross_entropy", "vocab_ce_stats": "cross_entropy",
     "layer_norm": "norms", "rms_norm": "norms", "norm_forward": "norms", "norm_backward": "norms",

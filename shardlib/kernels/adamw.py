@@ -14,7 +14,9 @@ agrees with ``torch.optim.AdamW`` to fp32 rounding::
 The Triton program reads param, grad, exp_avg and exp_avg_sq once and writes param, the two
 moments and the optional low-precision copy once (multi-tensor fused Adam as in NVIDIA Apex
 ``FusedAdam`` / Megatron-LM's distributed optimizer, here over a flat buffer so no tensor list is
-needed). :class:`FusedAdamW` is a ``torch.optim.AdamW`` whose ``step`` uses it; its ``state``
+needed). On CPU the reference runs block by block (:data:`CPU_BLOCK` elements): torch's six
+element-wise passes then reuse each block's param, grad and moments from cache instead of
+streaming a whole chunk (16 MiB each) from memory six times, the same arithmetic per element. :class:`FusedAdamW` is a ``torch.optim.AdamW`` whose ``step`` uses it; its ``state``
 (``step``, ``exp_avg``, ``exp_avg_sq``) and ``state_dict`` are torch's.
 """
 
@@ -25,9 +27,14 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._dispatch import triton_available, use_triton
+from ._dispatch import enabled, triton_available, use_triton
 
-__all__ = ["adamw_", "adamw_reference_", "FusedAdamW"]
+__all__ = ["adamw_", "adamw_reference_", "FusedAdamW", "CPU_BLOCK"]
+
+# Elements per block of the CPU path: param, grad, both moments and the denominator temporary of
+# a block take 2.5 MiB in fp32, which stays in L2/L3. A multiple of every SIMD width, so block
+# edges never move the vectorised loops' scalar tails (the result equals the unblocked one).
+CPU_BLOCK = 1 << 17
 
 if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
     import triton
@@ -107,7 +114,14 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     """
     _check(param, grad, exp_avg, exp_avg_sq, param_copy)
     tensors = [param, grad, exp_avg, exp_avg_sq] + ([param_copy] if param_copy is not None else [])
-    if not use_triton(*tensors) or not all(t.is_contiguous() for t in tensors):
+    contiguous = all(t.is_contiguous() for t in tensors)
+    if not use_triton(*tensors) or not contiguous:
+        if contiguous and param.numel() > CPU_BLOCK and all(t.device.type == "cpu" for t in tensors):
+            flat = [t.view(-1) for t in tensors] + ([] if param_copy is not None else [None])
+            for lo in range(0, param.numel(), CPU_BLOCK):
+                p, g, m, v, c = (t[lo : lo + CPU_BLOCK] if t is not None else None for t in flat)
+                adamw_reference_(p, g, m, v, c, lr, beta1, beta2, eps, weight_decay, step)
+            return
         adamw_reference_(param, grad, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps, weight_decay, step)
         return
     n = param.numel()
@@ -130,12 +144,14 @@ def _(param, grad, exp_avg, exp_avg_sq, param_copy, lr, beta1, beta2, eps, weigh
 
 class FusedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose ``step`` runs :func:`adamw_`: one launch per parameter tensor
-    (a whole flat chunk or its ZeRO shard), optionally writing a low-precision copy.
+    (a whole flat chunk or its ZeRO shard), optionally writing a low-precision copy; on CPU,
+    torch's single-tensor update over cache-sized blocks (:data:`CPU_BLOCK`).
 
     Same constructor, ``param_groups``, ``state`` keys (``step``, ``exp_avg``, ``exp_avg_sq``) and
     ``state_dict`` as ``torch.optim.AdamW``, so checkpoints move between the two. Falls back to
-    ``torch.optim.AdamW.step`` where the kernel does not apply: kernels off or no triton, tensors
-    not on CUDA, a float ``lr`` that is a tensor, ``amsgrad``, ``maximize``, ``capturable``,
+    ``torch.optim.AdamW.step`` where the kernel does not apply: kernels off, tensors neither all
+    on CUDA (with triton) nor all on CPU (e.g. optimizer state offloaded from CUDA to the host),
+    a float ``lr`` that is a tensor, ``amsgrad``, ``maximize``, ``capturable``,
     ``differentiable``, non-float32 parameters or sparse gradients.
 
     Example:
@@ -167,7 +183,10 @@ class FusedAdamW(torch.optim.AdamW):
             if p.grad is None:
                 continue
             state = [self.state[p][k] for k in ("exp_avg", "exp_avg_sq") if k in self.state.get(p, {})]
-            if p.dtype != torch.float32 or p.grad.is_sparse or not use_triton(p, p.grad, *state):
+            tensors = (p, p.grad, *state)
+            if p.dtype != torch.float32 or p.grad.is_sparse:
+                return False
+            if not (use_triton(*tensors) or (enabled() and all(t.device.type == "cpu" for t in tensors))):
                 return False  # e.g. optimizer state offloaded to the CPU: torch's step handles devices
         return True
 

@@ -21,7 +21,10 @@ The optimizer updates one flat tensor per trainable chunk: the full chunk (stage
 rank's shard (stages 1-3), so optimizer state is sharded from stage 1.
 
 Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.data`` pointing
-into their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook``;
+into their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook``
+and are copied (first gradient after ``zero_grad``, which only marks buffers stale) or added
+into the chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0 ``prm.grad``
+then becomes a view of it, as with DDP's ``gradient_as_bucket_view``;
 a chunk is reduced once all its trainable parameters have their gradient, in a fixed order
 (descending chunk index) so every rank issues the same collectives in the same order, as DDP's
 buckets do. Stage 3 frees a chunk's storage (``untyped_storage().resize_(0)``, FSDP's way) after
@@ -38,7 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..mesh.collectives import Handle, raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
+from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
+from .chunk import Chunk
 
 __all__ = ["ZeroRuntime"]
 
@@ -46,72 +50,6 @@ __all__ = ["ZeroRuntime"]
 # never interleave with parameter gathers, whose timing follows the data (a module that runs on
 # one rank only), so the two streams cannot pair up differently on different ranks.
 _REDUCE = 1
-
-
-class _Chunk:
-    """Runtime state of one planned chunk."""
-
-    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int, lazy=None):
-        self.plan = plan
-        self.index = plan.index
-        self.params = params  # (param, offset), unique params in order
-        self.trainable = plan.requires_grad
-        p, s = plan.padded_numel, plan.shard_numel
-        slot = slice(data_index * s, (data_index + 1) * s)
-        if lazy is not None:  # built on the meta device: initialise only what this rank stores
-            self.full, owned = lazy.allocate(plan, slot if stage == 3 else slice(0, p), params[0][0].device)
-        else:
-            self.full = torch.zeros(p, dtype=plan.dtype, device=params[0][0].device)
-            for prm, off in params:
-                self.full[off : off + prm.numel()].copy_(prm.detach().reshape(-1))
-        self.slot = slot
-        if stage == 3:
-            self.shard = owned if lazy is not None else self.full[slot].clone()
-        elif stage == 0:
-            self.shard = self.full
-        else:
-            self.shard = self.full[slot]
-        # Mixed precision: ``shard`` keeps the master values (stage 0: the full chunk), ``full``
-        # becomes the compute copy in ``compute_dtype`` that the parameters view.
-        self.mixed = plan.mixed_compute or plan.separate_grads
-        self.separate_grads = plan.separate_grads
-        if plan.mixed_compute:
-            if stage in (1, 2):
-                self.shard = self.shard.clone()
-            self.full = self.full.to(plan.compute_dtype)
-        for prm, off in params:
-            prm.data = self.full[off : off + prm.numel()].view(prm.shape)
-        if lazy is not None and stage == 3:
-            self.full.untyped_storage().resize_(0)  # never filled: gathered before its first use
-        self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.opt_param: nn.Parameter | None = None
-        if self.trainable:
-            if stage in (0, 1) and not self.separate_grads:
-                self.grad_full = self.new_grad_full()
-            if stage == 0 and not self.separate_grads:
-                self.grad_shard = self.grad_full
-            elif stage == 1 and not self.separate_grads:
-                self.grad_shard = self.grad_full[slot]
-            else:
-                self.grad_shard = torch.zeros_like(self.shard)
-            self.opt_param = nn.Parameter(self.shard, requires_grad=True)
-            self.opt_param.grad = self.grad_shard
-        self.gathered = True
-        self.gather_handle: Handle | None = None
-        self.reduce_handle: Handle | None = None
-        self.ready: set[int] = set()
-        self.n_trainable = len(params) if self.trainable else 0
-        self.carry: torch.Tensor | None = None  # stage 1: reduced grads kept across sync steps
-        self.reduced = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.full.numel() * self.full.element_size()
-
-    def new_grad_full(self) -> torch.Tensor:
-        """A zero unreduced-gradient buffer for the whole chunk, in the reduction dtype."""
-        return torch.zeros(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
 
 
 class ZeroRuntime:
@@ -133,7 +71,7 @@ class ZeroRuntime:
         index = mesh.index(self.axes) if self.axes else 0
         by_name = dict(model.named_parameters())
         members: list[list] = [[] for _ in plan.chunks]
-        self.param_chunk: dict[int, _Chunk] = {}
+        self.param_chunk: dict[int, Chunk] = {}
         for pp in plan.params:
             c, off = plan.placement[pp.name]
             members[c].append((by_name[pp.name], off))
@@ -151,14 +89,17 @@ class ZeroRuntime:
                     with torch.no_grad():
                         p.copy_(flat[start : start + p.numel()].view(p.shape))
             self.broadcast_buffers()
-        self.chunks = [_Chunk(c, members[c.index], self.stage, index, lazy) for c in plan.chunks]
+        self.chunks = [Chunk(c, members[c.index], self.stage, index, lazy) for c in plan.chunks]
         self.param_offset: dict[int, int] = {}  # element offset of each parameter in its chunk
         for chunk in self.chunks:
             for prm, off in chunk.params:
                 self.param_chunk[id(prm)] = chunk
                 self.param_offset[id(prm)] = off
-        if self.stage == 0:
-            self._attach_grad_views()
+        # stage 0 (one dtype): each parameter's gradient is a view into its chunk's gradient buffer
+        self._grad_views: dict[int, torch.Tensor] = {}
+        for chunk in self.chunks if self.stage == 0 else ():
+            for prm, off in chunk.params if chunk.trainable and not chunk.mixed else ():
+                self._grad_views[id(prm)] = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
         self._tp_grad_sum: dict[int, str] = {}  # id(param) -> tensor axis its gradient is summed over
         for chunk in self.chunks:
             for prm, _ in chunk.params if chunk.mixed and chunk.trainable else ():
@@ -188,43 +129,45 @@ class ZeroRuntime:
                 if tmp.data_ptr() != buf.data_ptr():
                     buf.data.copy_(tmp)
 
-    def _attach_grad_views(self) -> None:
-        for chunk in self.chunks:
-            if chunk.trainable and not chunk.mixed:
-                for prm, off in chunk.params:
-                    prm.grad = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
-
     # -- backward: gradients -------------------------------------------------------------------
     def _on_grad_ready(self, prm: nn.Parameter) -> None:
-        chunk = self.param_chunk[id(prm)]
-        self._queue_callback()
-        off = self.param_offset[id(prm)]
-        n = prm.numel()
-        if self.stage == 0 and not chunk.mixed:
-            view = chunk.grad_full[off : off + n]
-            if prm.grad.data_ptr() != view.data_ptr():  # grads were set to None by someone
-                view.add_(prm.grad.reshape(-1))
-                prm.grad = view.view(prm.shape)
+        if not self._callback_queued:
+            self._queue_callback()
+        key = id(prm)
+        chunk = self.param_chunk[key]
+        view = self._grad_views.get(key)
+        if view is not None:  # stage 0: the gradient lives in the chunk, seen as ``prm.grad``
+            # ``prm.grad`` is that view (autograd added into it in place) or a new tensor (it was
+            # None, or was replaced): that tensor is the whole gradient, copied in.
+            grad = prm.grad
+            if grad is not view:
+                view.copy_(grad)
+                prm.grad = view
+            if chunk.stale:
+                chunk.written.add(key)
         else:
             if self.stage == 3:
                 self._backward_touch(chunk)
-            if chunk.grad_full is None:
-                chunk.grad_full = chunk.new_grad_full()
-            elif self.stage == 1 and chunk.reduced and chunk.carry is None and not chunk.separate_grads:
-                chunk.carry = chunk.grad_shard.clone()  # reduced grads of an earlier sync step
-                chunk.grad_full.zero_()
+            self._begin_accumulation(chunk)
             grad = prm.grad.reshape(-1)
-            axis = self._tp_grad_sum.get(id(prm))
+            axis = self._tp_grad_sum.get(key)
             if axis is not None:  # replicated over a tensor axis, a partial sum on each rank
-                grad = grad.to(chunk.grad_full.dtype, copy=True)
+                grad = grad.to(chunk.ensure_grad_full().dtype, copy=True)
                 raw_all_reduce(grad, self.mesh, axis)
-            chunk.grad_full[off : off + n].add_(grad)  # cast into the reduction dtype
+            chunk.accumulate(prm, self.param_offset[key], grad)
             prm.grad = None
-        chunk.ready.add(id(prm))
+        chunk.ready.add(key)
         if len(chunk.ready) == chunk.n_trainable:
             if self.stage == 3:
                 self._free(chunk)
             self._launch_ready()
+
+    def _begin_accumulation(self, chunk: Chunk) -> None:
+        """Stage 1, a sync backward after an earlier one without ``zero_grad``: keep the reduced
+        shard aside (added back after this reduction) and restart the unreduced buffer."""
+        if self.stage == 1 and chunk.reduced and chunk.carry is None and not chunk.separate_grads:
+            chunk.carry = chunk.grad_shard.clone()
+            chunk.mark_stale()
 
     def _queue_callback(self) -> None:
         if not self._callback_queued:
@@ -241,43 +184,72 @@ class ZeroRuntime:
             self._launch_reduce(chunk)
             self._next_reduce += 1
 
-    def _launch_reduce(self, chunk: _Chunk) -> None:
-        if self.stage == 0 and not chunk.separate_grads:
-            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
-                                                 channel=_REDUCE)
-            return
-        if chunk.grad_full is None:
-            chunk.grad_full = chunk.new_grad_full()
-        if self.stage == 0:  # separate reduction dtype: all-reduced aside, added into the master grads
-            chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
-                                                 channel=_REDUCE)
-            chunk.reduce_tmp = chunk.grad_full
-        elif self.stage == 1 and not chunk.separate_grads:
-            chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes, async_op=True,
-                                                     op="avg", channel=_REDUCE)
-        else:
-            tmp = torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
-            chunk.reduce_handle = raw_reduce_scatter(tmp, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
-                                                     channel=_REDUCE)
-            chunk.reduce_tmp = tmp
+    def _adopt_grads(self, chunk: Chunk) -> None:
+        """Stage 0: ``prm.grad`` is the truth, as in plain PyTorch. A gradient set to None after
+        its last backward (``module.zero_grad()`` of the wrapped module) zeroes its region; one
+        assigned by hand is copied in and the parameter sees the chunk again."""
+        for prm, _ in chunk.params if self._grad_views else ():
+            view = self._grad_views[id(prm)]
+            grad = prm.grad
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+                prm.grad = view
+            if chunk.stale:
+                chunk.written.add(id(prm))
 
-    def _finish_reduce(self, chunk: _Chunk) -> None:
+    def _launch_reduce(self, chunk: Chunk) -> None:
+        self._begin_accumulation(chunk)  # stage 1: no gradient reached it since its last reduction
+        self._adopt_grads(chunk)
+        chunk.ensure_grad_full()
+        chunk.settle_full()
+        if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
+            if self.stage == 0:
+                chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
+                                                     channel=_REDUCE)
+            else:
+                chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes,
+                                                         async_op=True, op="avg", channel=_REDUCE)
+            return
+        # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
+        # it is logically zero and of the same dtype, else into a temporary added afterwards
+        direct = chunk.shard_stale and chunk.grad_shard.dtype == chunk.grad_full.dtype
+        if self.stage == 0:
+            out = chunk.grad_full
+            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True, channel=_REDUCE)
+        else:
+            out = chunk.grad_shard if direct else torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
+            chunk.reduce_handle = raw_reduce_scatter(out, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
+                                                     channel=_REDUCE)
+        chunk.reduce_tmp = None if out is chunk.grad_shard else out
+
+    def _finish_reduce(self, chunk: Chunk) -> None:
         if chunk.reduce_handle is None:
             return
         chunk.reduce_handle.wait()
         chunk.reduce_handle = None
-        if self.stage == 1 and not chunk.separate_grads:
-            s = chunk.slot
-            chunk.grad_full[: s.start].zero_()
-            chunk.grad_full[s.stop :].zero_()
-            if chunk.carry is not None:
-                chunk.grad_shard.add_(chunk.carry)
-                chunk.carry = None
-            chunk.reduced = True
-        elif self.stage >= 2 or chunk.separate_grads:
-            chunk.grad_shard.add_(chunk.reduce_tmp)  # cast into the master dtype
-            chunk.reduce_tmp = None
-            chunk.grad_full = None
+        if chunk.persistent_full:
+            for prm, _ in chunk.params if self._grad_views else ():  # stage 0: every .grad is its reduced gradient
+                view = self._grad_views[id(prm)]
+                if prm.grad is not view:
+                    prm.grad = view
+            if self.stage == 1:
+                if chunk.carry is not None:
+                    chunk.grad_shard.add_(chunk.carry)
+                    chunk.carry = None
+                chunk.reduced = True  # outside its slot grad_full holds partial sums: restarted before reuse
+            return
+        if chunk.reduce_tmp is not None:
+            if chunk.shard_stale:
+                chunk.grad_shard.copy_(chunk.reduce_tmp)  # cast into the master dtype
+            else:
+                chunk.grad_shard.add_(chunk.reduce_tmp)
+        chunk.shard_stale = False
+        chunk.reduce_tmp = None
+        chunk.grad_full = None
 
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -308,31 +280,45 @@ class ZeroRuntime:
         """The unreduced, accumulated local gradient of ``prm`` (flat view into its chunk)."""
         chunk = self.param_chunk[id(prm)]
         off = self.param_offset[id(prm)]
-        if chunk.grad_full is None:
-            chunk.grad_full = chunk.new_grad_full()
+        self._begin_accumulation(chunk)
+        chunk.ensure_grad_full()
+        chunk.settle_full()
         return chunk.grad_full[off : off + prm.numel()]
 
     def owned_grad_region(self, prm: nn.Parameter) -> torch.Tensor:
         """The part of this rank's gradient shard that belongs to ``prm`` (may be empty)."""
         chunk = self.param_chunk[id(prm)]
         off = self.param_offset[id(prm)]
+        chunk.settle_shard()
         lo = chunk.slot.start if self.stage >= 1 else 0
         hi = lo + chunk.grad_shard.numel()
         a, b = max(lo, off), min(hi, off + prm.numel())
         return chunk.grad_shard[a - lo : max(a, b) - lo]
 
     def zero_grad(self) -> None:
+        """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
+        marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
+        ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
         for chunk in self.chunks:
             if not chunk.trainable:
                 continue
-            chunk.grad_shard.zero_()
-            if chunk.grad_full is not None and self.stage in (0, 1) and not chunk.separate_grads:
-                chunk.grad_full.zero_()
-            elif self.stage >= 2 or chunk.separate_grads:
+            if chunk.persistent_full:
+                chunk.mark_stale()
+            else:
+                chunk.shard_stale = True
                 chunk.grad_full = None
             chunk.carry, chunk.reduced = None, False
-        if self.stage == 0:
-            self._attach_grad_views()
+            for prm, _ in chunk.params if self._grad_views else ():
+                prm.grad = None
+
+    def settle_grads(self) -> None:
+        """Write the zeros that :meth:`zero_grad` deferred into every gradient the optimizer
+        reads (called before an optimizer step, a norm or an unscale reads them)."""
+        for chunk in self.chunks:
+            if chunk.trainable:
+                if not self.unsynced:
+                    self._adopt_grads(chunk)
+                chunk.settle_shard()
 
     # -- optimizer support ---------------------------------------------------------------------
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -342,6 +328,7 @@ class ZeroRuntime:
     def owned_grads(self, tp_sharded: bool | None = None) -> list[torch.Tensor]:
         """Gradients whose elements this rank alone counts toward a global norm (over the data
         axes); ``tp_sharded`` selects the chunks split over a tensor axis (True) or not (False)."""
+        self.settle_grads()
         return [c.grad_shard for c in self.chunks if c.trainable and (tp_sharded is None or c.plan.tp_sharded == tp_sharded)]
 
     def grads_replicated(self) -> bool:
@@ -353,7 +340,7 @@ class ZeroRuntime:
         compute copies of mixed precision from the masters (cast, then gathered in their dtype)."""
         self.refresh([c for c in self.chunks if c.trainable])
 
-    def refresh(self, chunks: list[_Chunk]) -> None:
+    def refresh(self, chunks: list[Chunk]) -> None:
         """Rebuild the parameters the model uses (``chunk.full``) from the masters (``chunk.shard``)."""
         if self.stage == 0:
             for c in chunks:
@@ -365,7 +352,7 @@ class ZeroRuntime:
                 h.wait()
 
     @staticmethod
-    def _cast_into_slot(chunk: _Chunk) -> torch.Tensor:
+    def _cast_into_slot(chunk: Chunk) -> torch.Tensor:
         """This rank's slot of ``chunk.full`` holding its master shard (cast to the compute dtype)."""
         slot = chunk.full[chunk.slot]
         if slot.data_ptr() != chunk.shard.data_ptr():
@@ -379,7 +366,7 @@ class ZeroRuntime:
             chunk.gathered = False
         self._bwd_next = len(self.chunks) - 1
         self._fwd_next = 0
-        self._module_chunks: dict[nn.Module, list[_Chunk]] = {}
+        self._module_chunks: dict[nn.Module, list[Chunk]] = {}
         self._static_uses = [0] * len(self.chunks)
         for module in self.model.modules():
             chunks = sorted({self.param_chunk[id(p)].index for p in module._parameters.values() if p is not None and id(p) in self.param_chunk})
@@ -390,9 +377,9 @@ class ZeroRuntime:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(module.register_forward_hook(self._post_forward))
         self._uses = list(self._static_uses)
-        self._storage_ptr: dict[int, _Chunk] = {}
+        self._storage_ptr: dict[int, Chunk] = {}
 
-    def _gather(self, chunk: _Chunk) -> None:
+    def _gather(self, chunk: Chunk) -> None:
         if chunk.gathered:
             return
         chunk.full.untyped_storage().resize_(chunk.nbytes)
@@ -401,12 +388,12 @@ class ZeroRuntime:
         chunk.gathered = True
         self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
 
-    def _wait(self, chunk: _Chunk) -> None:
+    def _wait(self, chunk: Chunk) -> None:
         if chunk.gather_handle is not None:
             chunk.gather_handle.wait()
             chunk.gather_handle = None
 
-    def _free(self, chunk: _Chunk) -> None:
+    def _free(self, chunk: Chunk) -> None:
         if not chunk.gathered or self.stage != 3:
             return
         self._wait(chunk)
@@ -447,7 +434,7 @@ class ZeroRuntime:
             if self._uses[c.index] <= 0:
                 self._free(c)
 
-    def _backward_touch(self, chunk: _Chunk) -> None:
+    def _backward_touch(self, chunk: Chunk) -> None:
         """Gather ``chunk`` (and every chunk above it not yet gathered) in backward order."""
         self._queue_callback()
         if chunk.gathered:
@@ -479,7 +466,7 @@ class ZeroRuntime:
         return packed
 
     # -- full tensors ----------------------------------------------------------------------------
-    def full_chunk(self, chunk: _Chunk) -> torch.Tensor:
+    def full_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A full copy of a chunk's (master) parameters (gathers under stage 3, and under stages
         1-2 with mixed precision, where the master is only this rank's shard)."""
         if self.stage == 0:
@@ -490,7 +477,7 @@ class ZeroRuntime:
         raw_all_gather(out, chunk.shard, self.mesh, self.axes)
         return out
 
-    def write_full(self, chunk: _Chunk, off: int, flat: torch.Tensor) -> None:
+    def write_full(self, chunk: Chunk, off: int, flat: torch.Tensor) -> None:
         """Set the elements ``[off, off + flat.numel())`` of ``chunk`` from full values, in every
         copy this rank holds (master shard, compute copy); no communication."""
         lo = chunk.slot.start if self.stage >= 1 else 0
@@ -501,8 +488,9 @@ class ZeroRuntime:
         if self.stage != 3:  # the full parameters (the compute copy under mixed precision)
             chunk.full[off : off + flat.numel()].copy_(flat)
 
-    def full_grad_chunk(self, chunk: _Chunk) -> torch.Tensor:
+    def full_grad_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
+        chunk.settle_shard()
         if self.stage == 0:
             return chunk.grad_shard.clone()
         out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
