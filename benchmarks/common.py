@@ -367,10 +367,11 @@ def zero_state_formula(stage: int, psi: int, n: int, itemsize: int = 4, k: int =
     return (p + g + o) // n
 
 
-def zero_comm_theory(stage: int, psi_bytes: int, n: int) -> float:
+def zero_comm_theory(stage: int, psi_bytes: int, n: int, kept_bytes: int = 0) -> float:
     """Per-rank bytes per step (ZeRO, section 7): ``2 psi (N-1)/N`` for stages 0-2, ``3 psi (N-1)/N``
-    for stage 3; ``psi_bytes`` is the gradient/parameter payload in bytes."""
-    return float(Fraction((3 if stage == 3 else 2) * psi_bytes * (n - 1), n))
+    for stage 3; ``psi_bytes`` is the gradient/parameter payload in bytes. ``kept_bytes``: stage-3
+    chunks not resharded after forward (the tied embedding's), whose backward gather is saved."""
+    return float(Fraction(((3 if stage == 3 else 2) * psi_bytes - (kept_bytes if stage == 3 else 0)) * (n - 1), n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,20 +416,21 @@ def _loss_value(loss) -> float | None:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
-def time_pair(a: Side, b: Side, settings: Settings) -> dict:
-    """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` until each has
-    ``settings.steps`` measured steps; returns per-step times (this rank) and losses."""
-    times = {"a": [], "b": []}
-    cpu = {"a": [], "b": []}  # process CPU time per step (all threads): robust to other jobs' load
-    rounds = {"a": [], "b": []}
-    losses = {"a": [], "b": []}
-    counters = {"a": 1, "b": 1}  # step 0 ran in compare(), when the side was built
-    for key, side in (("a", a), ("b", b)):
+def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -> dict:
+    """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` (and ``floor``) until
+    each has ``settings.steps`` measured steps; returns per-step times (this rank) and losses."""
+    order = [("a", a), ("b", b)] + ([("floor", floor)] if floor is not None else [])
+    times = {k: [] for k, _ in order}
+    cpu = {k: [] for k, _ in order}  # process CPU time per step (all threads): robust to other jobs' load
+    rounds = {k: [] for k, _ in order}
+    losses = {k: [] for k, _ in order}
+    counters = {k: 1 for k, _ in order}  # step 0 ran in compare(), when the side was built
+    for key, side in order:
         for _ in range(settings.warmup):
             losses[key].append(_loss_value(side.step(counters[key])))
             counters[key] += 1
-    while len(times["a"]) < settings.steps or len(times["b"]) < settings.steps:
-        for key, side in (("a", a), ("b", b)):
+    while any(len(times[k]) < settings.steps for k, _ in order):
+        for key, side in order:
             block = []
             for _ in range(min(settings.block, settings.steps - len(times[key]))):
                 _barrier()
@@ -482,8 +484,13 @@ def _gather(obj):
     return parts
 
 
-def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], settings: Settings, theory: dict | None = None) -> dict:
+def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], settings: Settings, theory: dict | None = None,
+            make_floor: Callable[[], Side] | None = None) -> dict:
     """Build both sides, time them alternately, measure them, and gather every rank's figures.
+
+    ``make_floor``: a third side timed in the same alternation, the plain model on each rank's
+    local batch with no communication (``row["floor"]``; ``row["floor_ratio"]`` = its time over
+    the PyTorch side's: the ratio shardlib would reach with free communication and no overhead).
 
     Returns (on every rank) a row: ``{"name", "a", "b", "ratio", "round_ratios", "theory"}``,
     where ``a``/``b`` hold ``median_s``, ``iqr_s``, ``times_s`` (slowest rank per step), the
@@ -510,8 +517,12 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
         row[key] = {"error": msg}
     if not sides:
         return row
+    floor = None
+    if make_floor is not None and len(sides) == 2:
+        floor = make_floor()
+        floor.step(0)
     if len(sides) == 2:
-        timing = _run_guarded(lambda: time_pair(sides["a"], sides["b"], settings))
+        timing = _run_guarded(lambda: time_pair(sides["a"], sides["b"], settings, floor))
     else:
         (key, side), = sides.items()
         dummy = Side("none", lambda i: None)
@@ -547,6 +558,10 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
         ra = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["a"] for r in per_rank])]
         rb = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["b"] for r in per_rank])]
         row["round_ratios"] = [x / y for x, y in zip(ra, rb)]
+    if floor is not None:
+        slowest = [max(s) for s in zip(*[r["timing"]["times"]["floor"] for r in per_rank])]
+        row["floor"] = {"label": floor.label, "median_s": statistics.median(slowest), "times_s": slowest}
+        row["floor_ratio"] = row["floor"]["median_s"] / row["b"]["median_s"]
     return row
 
 

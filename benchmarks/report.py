@@ -24,6 +24,7 @@ def summarize(row: dict) -> dict:
     out["b_ms"] = b["median_s"] * 1e3 if "median_s" in b else None
     out["ratio"] = row.get("ratio")
     out["cpu_ratio"] = row.get("cpu_ratio")
+    out["floor_ratio"] = row.get("floor_ratio")  # plain model, no communication, over PyTorch's side
     rr = row.get("round_ratios") or []
     out["ratio_spread"] = (min(rr), max(rr)) if rr else None
     ranks = a.get("ranks") or []
@@ -60,7 +61,7 @@ def print_table(rows: list[dict], title: str = "") -> str:
     lines = []
     if title:
         lines.append(title)
-    head = (f"{'comparison':<38} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'spread':>11} {'cpu r':>5} "
+    head = (f"{'comparison':<38} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'spread':>11} {'cpu r':>5} {'floor':>5} "
             f"{'bytes/step MB':>13} {'theory MB':>9} {'b/th':>5} {'calls':>5} {'tcalls':>6} "
             f"{'state MB':>8} {'formula':>8} {'s/f':>6} {'torch st':>8} {'act MB':>6} {'t act':>6} {'peak MB':>7} {'t peak':>6}")
     lines.append(head)
@@ -70,7 +71,8 @@ def print_table(rows: list[dict], title: str = "") -> str:
         sp = s["ratio_spread"]
         lines.append(
             f"{s['name']:<38} {_f(s['a_ms'], 11, 1)} {_f(s['b_ms'], 9, 1)} {_f(s['ratio'], 6, 2)} "
-            f"{(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} {_f(s.get('cpu_ratio'), 5, 2)} {_mb(s.get('a_bytes')):>13} {_mb(s.get('theory_bytes')):>9} "
+            f"{(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} {_f(s.get('cpu_ratio'), 5, 2)} {_f(s.get('floor_ratio'), 5, 2)} "
+            f"{_mb(s.get('a_bytes')):>13} {_mb(s.get('theory_bytes')):>9} "
             f"{_f(s.get('bytes_over_theory'), 5, 3)} {_i(s.get('a_calls'), 5)} {_i(s.get('b_calls'), 6)} "
             f"{_mb(s.get('a_state')):>8} {_mb(s.get('formula_state')):>8} {_f(s.get('state_over_formula'), 6, 4)} "
             f"{_mb(s.get('b_state')):>8} {_mb(s.get('a_act')):>6} {_mb(s.get('b_act')):>6} {_mb(s.get('a_peak')):>7} {_mb(s.get('b_peak')):>6}")

@@ -25,8 +25,9 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
     One step is ``micro_steps`` forward and backward passes and ``ZeroOptimizer.step()``:
     stage 0 all-reduces the trainable chunks (2Ψ(N-1)/N); stages 1-2 reduce-scatter them and
     all-gather the updated shards (2Ψ(N-1)/N); stage 3 all-gathers every chunk in forward and
-    again in backward and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
-    parameters). Ψ counts padded elements.
+    again in backward (but a chunk with ``reshard_after_forward`` False, holding a tied
+    parameter, only in forward) and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
+    or tied parameters). Ψ counts padded elements.
     """
     n = plan.data_size
     out: dict[tuple[str, str], list] = {}
@@ -68,8 +69,8 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
             if c.requires_grad:
                 add("reduce_scatter", c)
                 add("all_gather", c)
-        else:
-            add("all_gather", c, 2 * micro_steps)
+        else:  # forward and backward, or only forward where the chunk stays gathered in between
+            add("all_gather", c, (2 if c.reshard_after_forward else 1) * micro_steps)
             if c.requires_grad:
                 add("reduce_scatter", c)
     return {k: (v[0], v[1]) for k, v in sorted(out.items())}

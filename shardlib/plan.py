@@ -94,12 +94,15 @@ class Plan:
         def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
             return option if option is not None and dtype.is_floating_point and option != dtype else None
 
+        tied = {p.name for p in self.params if p.aliases}
+
         return tuple(
             ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
                       offsets=tuple(c["offsets"]), numel=c["numel"],
                       padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
                       compute_dtype=mixed(c["group"][0], self.param_dtype),
-                      reduce_dtype=mixed(c["group"][0], self.reduce_dtype))
+                      reduce_dtype=mixed(c["group"][0], self.reduce_dtype),
+                      reshard_after_forward=not tied.intersection(c["params"]))
             for i, c in enumerate(chunks)
         )
 

@@ -67,6 +67,13 @@ class ChunkPlan:
         dtype: the dtype of the parameters, which the master copy and optimizer state keep.
         compute_dtype: the dtype of the copy forward/backward use (``param_dtype``; ``None``:
             ``dtype``). reduce_dtype: the dtype gradients are reduced in (``None``: ``dtype``).
+        reshard_after_forward: ZeRO-3 frees the chunk after the forward and gathers it again in
+            backward (FSDP2's option of that name). False for a chunk holding a tied parameter
+            (an embedding shared with the LM head): the head is the first thing backward runs
+            and the embedding the last, so the chunk would be gathered first in backward, and
+            as gathers go in descending chunk order (the same on every rank) with it every
+            chunk above; it stays gathered from its forward gather to the end of backward, as
+            FSDP2 keeps the root module's parameters.
     """
 
     index: int
@@ -80,6 +87,7 @@ class ChunkPlan:
     tp_sharded: bool = False
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
 
     @property
     def shard_numel(self) -> int:

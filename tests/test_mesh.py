@@ -396,3 +396,60 @@ def test_bad_collective_calls_fail_before_communicating(collectives):
         assert errors["bad_op"][0] == "ValueError" and "'prod'" in errors["bad_op"][1]
         assert res["calls_after_errors"] == 0
         assert res["after"] == 4.0
+
+
+def _raw_flat_worker(k):
+    """raw_reduce_scatter / raw_all_gather on a 1-D mesh of every rank: into a separate shard
+    and in place (the shard a view of the rank's own slot), sum and avg, several in flight."""
+    from shardlib import init_mesh
+    from shardlib.mesh.collectives import raw_all_gather, raw_reduce_scatter
+
+    n = torch.distributed.get_world_size()
+    mesh = init_mesh({"dp": n})
+    i = mesh.index("dp")
+    fulls = [torch.arange(n * k, dtype=torch.float32) * (i + 1) + c for c in range(3)]  # rank i's input
+    out = {}
+    sep = [torch.empty(k) for _ in fulls]
+    handles = [raw_reduce_scatter(s, f.clone(), mesh, "dp", async_op=True, op=op) for s, f, op in zip(sep, fulls, ("sum", "avg", "sum"))]
+    for h in handles:
+        h.wait()
+    out["separate"] = sep
+    inplace = [f.clone() for f in fulls]
+    for f in inplace:
+        raw_reduce_scatter(f[i * k : (i + 1) * k], f, mesh, "dp", op="avg")
+    out["inplace"] = [f[i * k : (i + 1) * k].clone() for f in inplace]
+    out["inputs_after"] = inplace  # outside its own slot the input is left as it was (gloo)
+    gathered = [torch.empty(n * k) for _ in range(3)]
+    handles = [raw_all_gather(g, torch.full((k,), 10.0 * c + i), mesh, "dp", async_op=True) for c, g in enumerate(gathered)]
+    own = torch.zeros(n * k)
+    own[i * k : (i + 1) * k] = 7.0 + i
+    handles.append(raw_all_gather(own, own[i * k : (i + 1) * k], mesh, "dp", async_op=True))
+    for h in handles:
+        h.wait()
+    out["gathered"], out["own"] = gathered, own
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_raw_reduce_scatter_and_all_gather_point_to_point(n):
+    """gloo's reduce-scatter and all-gather are point-to-point exchanges (found: summing into
+    an output that aliases the rank's own slot overwrote its contribution when n > 2)."""
+    k = 5
+    results = run_on(n, _raw_flat_worker, k)
+    scale = sum(range(1, n + 1))
+    for i, res in enumerate(results):
+        base = torch.arange(n * k, dtype=torch.float32)[i * k : (i + 1) * k]
+        for c, (got, op) in enumerate(zip(res["separate"], ("sum", "avg", "sum"))):
+            want = base * scale + n * c
+            torch.testing.assert_close(got, want / n if op == "avg" else want, rtol=1e-6, atol=0)
+        for c, got in enumerate(res["inplace"]):
+            torch.testing.assert_close(got, (base * scale + n * c) / n, rtol=1e-6, atol=0)
+        for c, f in enumerate(res["inputs_after"]):
+            mine = torch.arange(n * k, dtype=torch.float32) * (i + 1) + c
+            keep = torch.ones(n * k, dtype=torch.bool)
+            keep[i * k : (i + 1) * k] = False
+            assert torch.equal(f[keep], mine[keep])
+        for c, g in enumerate(res["gathered"]):
+            assert torch.equal(g, torch.arange(n, dtype=torch.float32).repeat_interleave(k) + 10.0 * c)
+        assert torch.equal(res["own"], torch.arange(n, dtype=torch.float32).repeat_interleave(k) + 7.0)

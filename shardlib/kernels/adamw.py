@@ -16,7 +16,8 @@ moments and the optional low-precision copy once (multi-tensor fused Adam as in 
 ``FusedAdam`` / Megatron-LM's distributed optimizer, here over a flat buffer so no tensor list is
 needed). On CPU the reference runs block by block (:data:`CPU_BLOCK` elements): torch's six
 element-wise passes then reuse each block's param, grad and moments from cache instead of
-streaming a whole chunk (16 MiB each) from memory six times, the same arithmetic per element. :class:`FusedAdamW` is a ``torch.optim.AdamW`` whose ``step`` uses it; its ``state``
+streaming a whole chunk (16 MiB each) from memory six times, the same arithmetic per element.
+:class:`FusedAdamW` is a ``torch.optim.AdamW`` whose ``step`` uses it; its ``state``
 (``step``, ``exp_avg``, ``exp_avg_sq``) and ``state_dict`` are torch's.
 """
 

@@ -410,8 +410,10 @@ class ZeroRuntime:
 
     def root_post_forward(self) -> None:
         if self.stage == 3:
+            keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it
             for chunk in self.chunks:
-                self._free(chunk)
+                if not (keep and not chunk.plan.reshard_after_forward):
+                    self._free(chunk)
             self._bwd_next = len(self.chunks) - 1
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -431,7 +433,7 @@ class ZeroRuntime:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         for c in self._module_chunks[module]:
             self._uses[c.index] -= 1
-            if self._uses[c.index] <= 0:
+            if self._uses[c.index] <= 0 and c.plan.reshard_after_forward:
                 self._free(c)
 
     def _backward_touch(self, chunk: Chunk) -> None:
