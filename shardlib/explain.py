@@ -47,6 +47,12 @@ def explain(plan, tokens: int | None = None) -> str:
         f"model state per rank: params {plan.param_bytes:,} B + grads {plan.grad_bytes:,} B + "
         f"optimizer {plan.optimizer_bytes:,} B ({plan.optimizer_states} states) = {plan.model_state_bytes:,} B"
     )
+    kept = [c for c in plan.chunks if not c.reshard_after_forward]
+    if stage == 3 and kept:
+        lines.append(
+            f"kept gathered from forward to backward (tied parameters): chunk(s) {', '.join(str(c.index) for c in kept)}, "
+            f"{sum(c.padded_numel * c.compute_element_size for c in kept):,} B per rank at the turn of the step"
+        )
     if plan.optimizer_offload:
         lines.append(
             f"optimizer offload (ZeRO-Offload): host memory per rank {plan.host_bytes:,} B (optimizer state "

@@ -1,0 +1,143 @@
+"""ZeRO-3 parameter gathering: chunks freed after forward and gathered again in backward.
+
+FSDP's scheme (Zhao et al., "PyTorch FSDP", arXiv 2304.11277) over shardlib's flat chunks: a
+module's forward pre-hook gathers the chunks holding its parameters (and prefetches the next
+one); its forward hook frees a chunk once the last module using it in this forward is done
+(``untyped_storage().resize_(0)``), except chunks with ``reshard_after_forward`` False (a tied
+embedding), which stay gathered until the end of backward. In backward a chunk is gathered on
+the first saved tensor that needs it (``saved_tensors_hooks``: tensors that are views of a
+chunk are saved as (chunk, strides) and rebuilt from the re-gathered storage) or its first
+gradient, together with every chunk above it not yet gathered: gathers go in descending chunk
+order, the same on every rank whatever the data does, so they pair up across ranks.
+
+:class:`ParameterGathering` is a mixin of :class:`~shardlib.parallel.zero.ZeroRuntime`; it
+uses its ``chunks``, ``param_chunk``, ``model``, ``mesh``, ``axes``, ``stage``, ``plan``,
+``_hooks``, ``_queue_callback`` and ``_cast_into_slot``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..mesh.collectives import raw_all_gather
+from .chunk import Chunk
+
+__all__ = ["ParameterGathering"]
+
+
+class ParameterGathering:
+    """Stage-3 gathering and freeing of chunks around forward and backward (see the module)."""
+
+    def _setup_stage3(self) -> None:
+        for chunk in self.chunks:
+            chunk.full.untyped_storage().resize_(0)
+            chunk.gathered = False
+        self._bwd_next = len(self.chunks) - 1
+        self._fwd_next = 0
+        self._module_chunks: dict[nn.Module, list[Chunk]] = {}
+        self._static_uses = [0] * len(self.chunks)
+        for module in self.model.modules():
+            chunks = sorted({self.param_chunk[id(p)].index for p in module._parameters.values() if p is not None and id(p) in self.param_chunk})
+            if chunks:
+                self._module_chunks[module] = [self.chunks[i] for i in chunks]
+                for i in chunks:
+                    self._static_uses[i] += 1
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hooks.append(module.register_forward_hook(self._post_forward))
+        self._uses = list(self._static_uses)
+        self._storage_ptr: dict[int, Chunk] = {}
+
+    def _gather(self, chunk: Chunk) -> None:
+        if chunk.gathered:
+            return
+        chunk.full.untyped_storage().resize_(chunk.nbytes)
+        src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
+        chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True)
+        chunk.gathered = True
+        self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
+
+    def _wait(self, chunk: Chunk) -> None:
+        if chunk.gather_handle is not None:
+            chunk.gather_handle.wait()
+            chunk.gather_handle = None
+
+    def _free(self, chunk: Chunk) -> None:
+        if not chunk.gathered or self.stage != 3:
+            return
+        self._wait(chunk)
+        self._storage_ptr.pop(chunk.full.untyped_storage().data_ptr(), None)
+        chunk.full.untyped_storage().resize_(0)
+        chunk.gathered = False
+
+    def root_pre_forward(self) -> None:
+        if self.plan.broadcast_buffers:
+            self.broadcast_buffers()
+        if self.stage == 3:
+            self._uses = list(self._static_uses)
+            self._fwd_next = 0
+
+    def root_post_forward(self) -> None:
+        if self.stage == 3:
+            keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it
+            for chunk in self.chunks:
+                if not (keep and not chunk.plan.reshard_after_forward):
+                    self._free(chunk)
+            self._bwd_next = len(self.chunks) - 1
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        chunks = self._module_chunks[module]
+        top = max(c.index for c in chunks)
+        for i in range(self._fwd_next, top + 1):
+            self._gather(self.chunks[i])
+        self._fwd_next = max(self._fwd_next, top + 1)
+        for c in chunks:
+            self._gather(c)  # a chunk freed earlier in this forward (a module called twice)
+        if self._fwd_next < len(self.chunks):  # prefetch the next chunk
+            self._gather(self.chunks[self._fwd_next])
+            self._fwd_next += 1
+        for c in chunks:
+            self._wait(c)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        for c in self._module_chunks[module]:
+            self._uses[c.index] -= 1
+            if self._uses[c.index] <= 0 and c.plan.reshard_after_forward:
+                self._free(c)
+
+    def _backward_touch(self, chunk: Chunk) -> None:
+        """Gather ``chunk`` (and every chunk above it not yet gathered) in backward order."""
+        self._queue_callback()
+        if chunk.gathered:
+            self._wait(chunk)
+            return
+        for i in range(self._bwd_next, chunk.index - 1, -1):
+            self._gather(self.chunks[i])
+        self._bwd_next = min(self._bwd_next, chunk.index - 1)
+        self._gather(chunk)
+        if self._bwd_next >= 0:  # prefetch the next chunk backward
+            self._gather(self.chunks[self._bwd_next])
+            self._bwd_next -= 1
+        self._wait(chunk)
+
+    def pack(self, t: torch.Tensor):
+        if self.stage != 3 or t.device.type == "meta":
+            return t
+        chunk = self._storage_ptr.get(t.untyped_storage().data_ptr())
+        if chunk is None or t.untyped_storage().nbytes() == 0:
+            return t
+        return (_SavedChunkView, chunk, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def unpack(self, packed):
+        if isinstance(packed, tuple) and packed and packed[0] is _SavedChunkView:
+            _, chunk, shape, stride, offset, dtype = packed
+            self._backward_touch(chunk)
+            base = chunk.full if chunk.full.dtype == dtype else chunk.full.view(dtype)
+            return base.as_strided(shape, stride, offset)
+        return packed
+
+
+class _SavedChunkView:
+    """Marker for a saved tensor rebuilt from a re-gathered chunk in backward."""
