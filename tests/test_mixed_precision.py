@@ -421,3 +421,44 @@ def test_bf16_pipeline_with_tied_embeddings_equals_single_process(stage, reduce_
     batch = _batch(8, seed)
     results = run_on(4, _pipeline, batch, STEPS, seed, stage, reduce_dtype)
     _compare(results[0], _reference(batch, STEPS, seed, torch.bfloat16), BF16_U)
+
+
+class _HalfAndFull(torch.nn.Module):
+    """A bf16 layer next to an fp32 one: under ``param_dtype=bfloat16`` the first chunk needs no
+    compute copy and the second does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6).to(torch.bfloat16)
+        self.b = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).float().square().mean()
+
+
+def _half_and_full(stage):
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_HalfAndFull(), mesh, zero_stage=stage, param_dtype=torch.bfloat16)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(mesh.rank))
+    grads = []
+    for _ in range(2):
+        smodel(x).backward()
+        grads.append(shardlib.full_grads(smodel))
+        opt.step()
+        opt.zero_grad()
+    return grads, [c.mixed for c in smodel._zero.chunks]
+
+
+def test_stage0_with_a_mixed_and_a_plain_chunk():
+    """Regression: stage 0 looked up a gradient view for every parameter of a chunk around its
+    reduction, and a compute-copy chunk has none (KeyError). Gradients of two steps agree with
+    stage 3, which handles both chunks alike."""
+    (g0, mixed), _ = run_on(2, _half_and_full, 0)
+    (g3, _), _ = run_on(2, _half_and_full, 3)
+    assert mixed == [False, True]
+    for s0, s3 in zip(g0, g3):
+        for name in s0:
+            torch.testing.assert_close(s0[name].float(), s3[name].float(), rtol=2e-2, atol=1e-3)
+            assert s0[name].abs().sum() > 0, name

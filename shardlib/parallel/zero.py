@@ -34,7 +34,6 @@ chunk in each direction (:mod:`shardlib.parallel.gather`).
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -187,9 +186,9 @@ class ZeroRuntime(ParameterGathering):
         its last backward (``module.zero_grad()`` of the wrapped module) zeroes its region; one
         assigned by hand is copied in and the parameter sees the chunk again."""
         for prm, _ in chunk.params if self._grad_views else ():
-            view = self._grad_views[id(prm)]
+            view = self._grad_views.get(id(prm))
             grad = prm.grad
-            if grad is view:
+            if view is None or grad is view:  # (a mixed-precision chunk has no views)
                 continue
             if grad is None:
                 view.zero_()
@@ -231,8 +230,8 @@ class ZeroRuntime(ParameterGathering):
         chunk.reduce_handle = None
         if chunk.persistent_full:
             for prm, _ in chunk.params if self._grad_views else ():  # stage 0: every .grad is its reduced gradient
-                view = self._grad_views[id(prm)]
-                if prm.grad is not view:
+                view = self._grad_views.get(id(prm))
+                if view is not None and prm.grad is not view:
                     prm.grad = view
             if self.stage == 1:
                 if chunk.carry is not None:
@@ -306,7 +305,7 @@ class ZeroRuntime(ParameterGathering):
                 chunk.shard_stale = True
                 chunk.grad_full = None
             chunk.carry, chunk.reduced = None, False
-            for prm, _ in chunk.params if self._grad_views else ():
+            for prm, _ in chunk.params if self._grad_views and not chunk.mixed else ():
                 prm.grad = None
 
     def settle_grads(self) -> None:
