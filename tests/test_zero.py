@@ -195,6 +195,38 @@ def test_zero_grad_then_backward_with_an_unused_parameter(stage, how):
         assert not after["b.weight"].any() and after["a.weight"].any()
 
 
+def _forward_without_backward_worker(extra_forward):
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(TiedLM(), mesh, zero_stage=3, chunk_size=100)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+    idx, tgt = _batch(37, 2, 5, mesh.rank)
+    assert not smodel.plan.chunks[smodel.plan.placement["wte.weight"][0]].reshard_after_forward
+    for step in range(3):
+        smodel(idx, tgt)[1].backward()
+        if extra_forward:
+            smodel(idx, tgt)  # gradients on, no backward (a validation loss without no_grad)
+        opt.step()
+        opt.zero_grad()
+    with smodel.no_sync():
+        smodel(idx, tgt)[1].backward()  # accumulated, then thrown away
+    opt.zero_grad()  # which also ends the no_sync state: step() may follow (zero gradients)
+    opt.step()
+    return shardlib.full_state_dict(smodel)
+
+
+def test_zero3_forward_without_backward_changes_nothing():
+    """Regression (found by a review): the chunk holding the tied embedding stays gathered from
+    forward to backward; after a forward with no backward it stayed gathered across the
+    optimizer step, and the next forward ran on the old weights. Extra forwards must leave the
+    training run bitwise unchanged. Also: zero_grad() after a no_sync() backward lets step() run."""
+    plain = run_on(2, _forward_without_backward_worker, False)
+    extra = run_on(2, _forward_without_backward_worker, True)
+    for a, b in zip(plain, extra):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
 def _buffer_worker():
     mesh = shardlib.init_mesh({"dp": 2})
     torch.manual_seed(mesh.rank)  # deliberately different initial values per rank

@@ -76,8 +76,15 @@ class ParameterGathering:
         if self.plan.broadcast_buffers:
             self.broadcast_buffers()
         if self.stage == 3:
+            # a chunk kept gathered for a backward that never came (a forward with gradients on
+            # and no backward, then maybe an optimizer step or a load into the shards) may be
+            # stale: free it, this forward gathers it again. Rank-consistent: every rank ran the
+            # same forwards and backwards.
+            for chunk in self.chunks:
+                self._free(chunk)
             self._uses = list(self._static_uses)
             self._fwd_next = 0
+            self._bwd_next = len(self.chunks) - 1
 
     def root_post_forward(self) -> None:
         if self.stage == 3:

@@ -307,6 +307,7 @@ class ZeroRuntime(ParameterGathering):
             chunk.carry, chunk.reduced = None, False
             for prm, _ in chunk.params if self._grad_views and not chunk.mixed else ():
                 prm.grad = None
+        self.unsynced = False  # gradients accumulated under no_sync() are gone: step() may run
 
     def settle_grads(self) -> None:
         """Write the zeros that :meth:`zero_grad` deferred into every gradient the optimizer
