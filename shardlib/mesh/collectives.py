@@ -92,6 +92,11 @@ def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torc
     return _Works(works)
 
 
+def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, int]]:
+    """``[(index along names, global rank)]`` of every other rank of this rank's group."""
+    return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
+
+
 def _finish(work, then, mesh: Mesh, async_op: bool) -> Handle:
     handle = Handle(work, then, mesh.timeout)
     if not async_op:
@@ -138,7 +143,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     group = mesh.group(names)
     if mesh.backend == "gloo":
         flat, src = out.view(-1), shard.view(-1)
-        peers = [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
+        peers = _peers(mesh, names, index)
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)
         work = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group)
@@ -168,7 +173,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     group = mesh.group(names, channel)
     flat, out = full.view(-1), shard.view(-1)
     if mesh.backend == "gloo":
-        peers = [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
+        peers = _peers(mesh, names, index)
         parts = {j: flat.new_empty(k) for j, _ in peers}
         work = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group)
 

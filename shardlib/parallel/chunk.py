@@ -100,7 +100,7 @@ class Chunk:
     def new_grad_full(self) -> torch.Tensor:
         """An unreduced-gradient buffer for the whole chunk in the reduction dtype, uninitialised
         and marked stale (its regions are copied into, or zeroed by :meth:`settle_full`)."""
-        self.stale, self.written = True, set()
+        self.mark_stale()
         return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
 
     def ensure_grad_full(self) -> torch.Tensor:

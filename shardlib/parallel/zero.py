@@ -134,14 +134,7 @@ class ZeroRuntime(ParameterGathering):
         chunk = self.param_chunk[key]
         view = self._grad_views.get(key)
         if view is not None:  # stage 0: the gradient lives in the chunk, seen as ``prm.grad``
-            # ``prm.grad`` is that view (autograd added into it in place) or a new tensor (it was
-            # None, or was replaced): that tensor is the whole gradient, copied in.
-            grad = prm.grad
-            if grad is not view:
-                view.copy_(grad)
-                prm.grad = view
-            if chunk.stale:
-                chunk.written.add(key)
+            self._adopt(chunk, prm, view)
         else:
             if self.stage == 3:
                 self._backward_touch(chunk)
@@ -187,16 +180,23 @@ class ZeroRuntime(ParameterGathering):
         assigned by hand is copied in and the parameter sees the chunk again."""
         for prm, _ in chunk.params if self._grad_views else ():
             view = self._grad_views.get(id(prm))
-            grad = prm.grad
-            if view is None or grad is view:  # (a mixed-precision chunk has no views)
-                continue
+            if view is not None:  # (a mixed-precision chunk has no views)
+                self._adopt(chunk, prm, view)
+
+    @staticmethod
+    def _adopt(chunk: Chunk, prm: nn.Parameter, view: torch.Tensor) -> None:
+        """Make ``prm``'s region of the chunk hold ``prm.grad``: nothing when ``prm.grad`` is the
+        view (autograd added into it in place), a copy of a new tensor (it was None, or was
+        replaced; the parameter then sees the view), zeros for None."""
+        grad = prm.grad
+        if grad is not view:
             if grad is None:
                 view.zero_()
             else:
                 view.copy_(grad)
                 prm.grad = view
-            if chunk.stale:
-                chunk.written.add(id(prm))
+        if chunk.stale:
+            chunk.written.add(id(prm))
 
     def _launch_reduce(self, chunk: Chunk) -> None:
         self._begin_accumulation(chunk)  # stage 1: no gradient reached it since its last reduction
