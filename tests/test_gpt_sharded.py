@@ -32,10 +32,9 @@ def test_gpt_equivalent_to_single_process(stage, dp):
         steps=3,
         zero_stage=stage,
         chunk_size=700,
-        # AdamW's first update lr * g / (|g| + eps) has slope lr / (4 eps) at |g| ~ eps = 1e-8: with
-        # lr 1e-2 an fp32 rounding difference of 3e-12 in such a gradient element moves the weight
-        # by 8e-7. lr 1e-3 keeps that under the 1e-5 relative tolerance.
-        optimizer_kwargs={"lr": 1e-3},
+        # the harness's default AdamW lr 1e-2: an fp32 rounding difference in a gradient element at
+        # |g| ~ eps moves its weight by up to 8x the plain 1e-5 bound (AVX-512, measured); the
+        # sensitivity band of shardlib.testing.tolerance accounts for it (issue 12)
     )
     assert len(report["plan"].chunks) > 3  # several chunks: prefetching and ordering exercised
 
