@@ -42,17 +42,27 @@ from .shard import (
 from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical_to_mesh
 
 
+# Public subpackages, imported on first use (``import shardlib`` then ``shardlib.models.GPT``):
+# shardlib.checkpoint imports torch.distributed.checkpoint (about half a second).
+_SUBPACKAGES = ("checkpoint", "models", "testing", "kernels", "parallel", "mesh")
+
+
 def __getattr__(name: str):
-    # shardlib.checkpoint imports torch.distributed.checkpoint (seconds): loaded on first use
-    if name == "checkpoint":
+    if name in _SUBPACKAGES:
         import importlib
 
-        return importlib.import_module(".checkpoint", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'shardlib' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SUBPACKAGES))
 
 
 __all__ = [
     "checkpoint",
+    "models",
+    "testing",
     "ShardingError",
     "WorkerError",
     "AbstractMesh",

@@ -61,7 +61,8 @@ class ShardedModule(nn.Module):
         self._zero = ZeroRuntime(module, plan, plan.mesh, lazy)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
         off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
-        self.activation_offload = ActivationOffload(off) if off is not None else None
+        self._own_offload = ActivationOffload(off) if off is not None else None
+        self._last_offload = self._own_offload
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         zero = self._zero
@@ -70,7 +71,9 @@ class ShardedModule(nn.Module):
         zero.root_pre_forward()
         try:
             inner = (zero.pack, zero.unpack) if zero.stage == 3 else None
-            off = current_activation_offload() or self.activation_offload
+            off = current_activation_offload() or self._own_offload
+            if torch.is_grad_enabled():
+                self._last_offload = off
             if off is not None and torch.is_grad_enabled():
                 off.begin_forward()
                 with off.apply(inner, self._chunk_storage_test()):
@@ -81,6 +84,14 @@ class ShardedModule(nn.Module):
             return self.module(*args, **kwargs)
         finally:
             zero.root_post_forward()
+
+    @property
+    def activation_offload(self) -> ActivationOffload | None:
+        """The activation offload of the last forward with gradients: an
+        :func:`~shardlib.activation_offload` context around the call if there was one, else the
+        plan's ``offload_ratio`` (None when neither ever applied). Its ``stats`` hold the bytes
+        measured in that forward (and, live, through its backward)."""
+        return self._last_offload
 
     def _chunk_storage_test(self):
         """``t -> bool``: does ``t`` live in a ZeRO chunk (a parameter, never offloaded)?"""

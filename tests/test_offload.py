@@ -33,6 +33,7 @@ def _activation_worker(stage):
         smodel = shardlib.shard(init_parameters(GPT(CFG), seed=1), mesh, zero_stage=stage)
         with activation_offload(ratio) as off:
             loss = smodel(idx, tgt)[1]
+        assert smodel.activation_offload is off  # the context's figures, not zeros (issue 12)
         stats = (off.stats.saved_bytes, off.stats.offloaded_bytes, off.stats.peak_device_bytes, off.stats.peak_host_bytes)
         loss.backward()
         left = (off.stats.device_bytes, off.stats.host_bytes)  # all released once backward is done
