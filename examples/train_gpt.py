@@ -4,7 +4,7 @@ Launch:
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py             # ZeRO-3 over dp=4
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2
     python examples/train_gpt.py --mesh dp=1                                  # one process
-    torchrun ... examples/train_gpt.py --data ../shared/data/shakespeare --val-files hamlet.txt,tempest.txt
+    torchrun ... examples/train_gpt.py --data path/to/plays --val-files hamlet.txt,tempest.txt  # your own text
     torchrun ... examples/train_gpt.py --ckpt-dir runs/ckpt --save-every 100      # sharded checkpoints
     torchrun ... examples/train_gpt.py --resume runs/ckpt                         # newest one, any mesh
     torchrun ... examples/train_gpt.py --resume runs/ckpt --eval-only             # validation loss only
@@ -32,7 +32,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.data import ByteCorpus, default_corpus, load_corpus
+from shardlib.cli import ArgumentParser, main_guard
+from shardlib.data import ByteCorpus, open_corpus
 from shardlib.models import GPT, GPTConfig, gpt_preset
 from shardlib.random import mesh_independent_dropout
 
@@ -40,9 +41,9 @@ CHECK_RTOL = 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)  # defaults in --help; a usage error is one line
     p.add_argument("--data", help="a text file or a folder of *.txt/*.py files (default: Python stdlib source)")
-    p.add_argument("--val-files", default="", help="comma-separated held-out file names in --data")
+    p.add_argument("--val-files", default="", help="comma-separated held-out file names in the --data folder")
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"],
                    help="pipeline schedule when the mesh has a pp axis")
@@ -107,9 +108,7 @@ def build_model(args) -> GPT:
 
 
 def load_data(args) -> ByteCorpus:
-    if args.data is None:
-        return default_corpus()
-    return load_corpus(args.data, val_files=tuple(f for f in args.val_files.split(",") if f))
+    return open_corpus(args.data, [f for f in args.val_files.split(",") if f])  # --val-files needs --data
 
 
 def train_batches(corpus: ByteCorpus, args, g: torch.Generator | None = None):
@@ -251,7 +250,6 @@ def global_mean(loss: torch.Tensor, smodel) -> float:
     return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
 
 
-@record  # under torchrun, a failing rank's traceback heads the error summary
 def main(argv=None) -> int:
     args = parse_args(argv)
     mesh = shardlib.init_mesh(parse_mesh(args.mesh))
@@ -359,5 +357,10 @@ def main(argv=None) -> int:
     return 0
 
 
+@record  # under torchrun, a failing rank's traceback heads the error summary (crashes, not config errors)
+def entry() -> int:
+    return main_guard(main)  # a configuration error: one line, from the lowest failing rank
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --model llama --mesh dp=2,tp=2
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --model gpt2 --mesh dp=2,tp=2 \\
-        --sequence-parallel --data ../shared/data/shakespeare --val-files hamlet.txt,tempest.txt
+        --sequence-parallel --data path/to/plays --val-files hamlet.txt,tempest.txt
 
 The model comes from ``transformers`` with random initialization (no download) and a byte
 vocabulary (256). Its layout is a preset (:mod:`shardlib.models.presets`): Megatron tensor
@@ -22,12 +22,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.data import default_corpus, load_corpus
+from shardlib.cli import ArgumentParser, main_guard
+from shardlib.data import open_corpus
 from shardlib.models import gpt2_preset, llama_preset
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)  # defaults in --help; a usage error is one line
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
     p.add_argument("--data", default=None, help="a text file or folder (default: the Python standard library)")
     p.add_argument("--val-files", default="", help="comma-separated file names held out for validation")
@@ -68,12 +69,11 @@ def lm_loss(smodel, x, y) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-@record
 def main(argv=None) -> int:
     args = parse_args(argv)
     pairs = [kv.split("=") for kv in args.mesh.split(",")] if args.mesh else [("dp", os.environ.get("WORLD_SIZE", "1"))]
     mesh = shardlib.init_mesh({k: int(v) for k, v in pairs})
-    corpus = load_corpus(args.data, val_files=[f for f in args.val_files.split(",") if f]) if args.data else default_corpus()
+    corpus = open_corpus(args.data, [f for f in args.val_files.split(",") if f])  # --val-files needs --data
     model, preset = build(args)
     specs = preset.specs if "tp" in mesh.axis_names else None
     options = preset.options if specs else {}
@@ -117,5 +117,10 @@ def main(argv=None) -> int:
     return 0
 
 
+@record  # under torchrun, a failing rank's traceback heads the error summary (crashes, not config errors)
+def entry() -> int:
+    return main_guard(main)  # a configuration error: one line, from the lowest failing rank
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ByteCorpus", "load_corpus", "default_corpus", "TEXT_SUFFIXES"]
+__all__ = ["open_corpus", "ByteCorpus", "load_corpus", "default_corpus", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".txt", ".py")
 _SEPARATOR = b"\n"  # between files, so one file's last line does not run into the next one's first
@@ -197,3 +197,23 @@ def default_corpus(max_bytes: int = 3_000_000, val_every: int = 10) -> ByteCorpu
     if not held_out:  # fewer files than val_every: hold out the last one
         held_out = [chosen[-1].name]
     return _from_files(chosen, root, held_out, 0.1, f"Python {sysconfig.get_python_version()} stdlib")
+
+
+def open_corpus(path: str | Path | None, val_files: Sequence[str] = ()) -> ByteCorpus:
+    """``load_corpus(path, val_files)``, or :func:`default_corpus` when ``path`` is None.
+
+    For command lines with ``--data`` and ``--val-files``.
+
+    Raises:
+        ValueError: ``val_files`` without ``path`` (the default corpus chooses its own held-out
+            files, so the names would be silently ignored); and as :func:`load_corpus`.
+    """
+    if path is None:
+        if val_files:
+            raise ValueError(
+                f"held-out files {', '.join(val_files)} (--val-files) name files of a --data folder, but no --data was "
+                "given: the default corpus (the Python standard library's source) holds out every 10th file itself. "
+                "Fix: pass --data FOLDER with those files, or drop --val-files")
+        return default_corpus()
+    return load_corpus(path, val_files=tuple(val_files))
+

@@ -24,7 +24,7 @@ from .lazy import missing_rule_error, resolve_init_rules
 from .options import DEFAULT_CHUNK_SIZE, check_options
 from .plan_items import ChunkPlan, ParamPlan
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
-from .spec import resolve_specs
+from .spec import PartitionSpec, resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
 
@@ -419,13 +419,17 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
     for key, names in names_of.items():
         axis, dim, fused_blocks = tensor_split(tp_layers, names)
         role = next((roles[n] for n in names if n in roles), None)
+        spec, source = resolved[names[0]]
+        if axis is not None and axis not in spec.axes:  # a column layer's bias follows its weight
+            spec = PartitionSpec(*[axis if d == dim else None for d in range(params[key].dim())])
+            source = f"follows the weight of its column-parallel layer (given {resolved[names[0]][0]}, {source})"
         param_plans.append(ParamPlan(
             name=names[0],
             aliases=tuple(names[1:]),
             global_shape=tuple(params[key].shape),
             dtype=params[key].dtype,
-            spec=resolved[names[0]][0],
-            source=resolved[names[0]][1],
+            spec=spec,
+            source=source,
             strategy=f"{role}+{zero}" if role and axis is not None else zero,
             requires_grad=params[key].requires_grad,
             tp_axis=axis,

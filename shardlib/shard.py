@@ -45,7 +45,8 @@ class ShardedModule(nn.Module):
         # Fixed lowering order: dropout first (the sequence-parallel entry hooks onto the new
         # module), then tensor parallelism (swaps modules), then ZeRO (packs the local params).
         self._dropouts = mesh_independent_dropout(module, seed=plan.dropout_seed)
-        self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
+        module, self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
+        self.module = module  # a new object only when the root itself is a parallel layer
         for drop in self._dropouts:
             drop.batch_parts = plan.data_size
             drop.batch_index = plan.mesh.index(plan.data_axes) if plan.data_axes else 0

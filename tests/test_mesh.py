@@ -453,3 +453,21 @@ def test_raw_reduce_scatter_and_all_gather_point_to_point(n):
         for c, g in enumerate(res["gathered"]):
             assert torch.equal(g, torch.arange(n, dtype=torch.float32).repeat_interleave(k) + 10.0 * c)
         assert torch.equal(res["own"], torch.arange(n, dtype=torch.float32).repeat_interleave(k) + 7.0)
+
+
+def test_launch_at_import_time_of_a_script_names_the_missing_main_guard(tmp_path):
+    """Regression (issue 12): a script calling ``launch()`` without ``if __name__ ==
+    "__main__":`` failed with ``ProcessExit`` and no hint; the error now names the fix."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import shardlib\n\ndef f():\n    return 1\n\nprint(shardlib.launch(f, 2))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "WorkerError: rank 0 failed with ProcessExit: worker process exited at start" in out.stderr
+    assert 'Fix: put the call under `if __name__ == "__main__":`' in out.stderr
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text("import shardlib\n\ndef f():\n    return 1\n\nif __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
+    out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "[1, 1]", out.stderr

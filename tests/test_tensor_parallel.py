@@ -397,3 +397,50 @@ def test_embeddings_keep_padding_idx(layer_results, mesh_shape):
                 g, sl = rank[i]["grads"]["0.weight"], rank[i]["slices"]["0.weight"]
                 if sl[0] == 1 or sl[1] == 0:  # this rank holds row 0
                     assert not g[0].any(), (case["kind"], rank[i]["coords"])
+
+
+def _mse(out, y):
+    return (out - y).pow(2).mean()
+
+
+def _root_linear():
+    return nn.Linear(6, 8)
+
+
+def _root_embedding():
+    return nn.Embedding(10, 6)
+
+
+@pytest.mark.parametrize("mesh_shape", [{"tp": 2}, {"dp": 2, "tp": 2}])
+@pytest.mark.parametrize("root", ["linear", "embedding"])
+def test_sharding_a_bare_parallel_layer_equals_one_process(root, mesh_shape):
+    """Regression (issue 12): ``shard(nn.Linear(...), mesh, {"weight": P("tp", None)})`` raised
+    ``AttributeError: 'Linear' object has no attribute ''``; the root is now replaced by its
+    parallel form (a column output layer, gathered; a vocabulary-parallel embedding) and trains
+    as one process does, as when the same layer sits inside a container."""
+    g = torch.Generator().manual_seed(3)
+    if root == "linear":
+        make, x = _root_linear, torch.randn(4, 6, generator=g)
+    else:
+        make, x = _root_embedding, torch.randint(0, 10, (4, 5), generator=g)
+    y = torch.randn(*x.shape[:-1], 8, generator=g) if root == "linear" else torch.randn(4, 5, 6, generator=g)
+    report = assert_equivalent(make, mesh_shape, {"weight": P("tp", None)}, (x, y), steps=2, loss_fn=_mse,
+                               zero_stage=1 if "dp" in mesh_shape else 0)
+    kind = report["plan"].param("weight").strategy.split("+")[0]
+    assert kind == ("column" if root == "linear" else "vocab")
+
+
+def test_a_bare_row_parallel_layer_is_refused_as_inside_a_container():
+    with pytest.raises(shardlib.ShardingError, match="row-parallel layer <root> .* has no column-parallel partner"):
+        shardlib.plan(nn.Linear(6, 8), shardlib.AbstractMesh({"tp": 2}), {"weight": P(None, "tp")})
+
+
+def test_plan_prints_a_column_bias_with_the_spec_it_is_sharded_by():
+    """Regression (issue 12): a column layer's bias is split with its weight, but the plan printed
+    the spec it was given (``P()``); it now prints ``P('tp')``, with the reason in its source."""
+    plan = shardlib.plan(gpt_for_tests(_config(37)), shardlib.AbstractMesh({"tp": 2}), SPECS)
+    bias = plan.param("blocks.0.mlp.fc_in.bias")
+    assert bias.spec == P("tp") and bias.tp_axis == "tp" and "follows the weight" in bias.source
+    row = next(line for line in plan.explain().splitlines() if line.startswith("blocks.0.mlp.fc_in.bias"))
+    assert "P('tp')" in row and "(32,)" in row  # fc_in: 64 outputs split over 2 ranks
+    assert plan.param("blocks.0.attn.o_proj.bias").spec == P()  # a row layer's bias stays replicated

@@ -28,6 +28,14 @@ from ..errors import WorkerError
 
 __all__ = ["launch", "WorkerGroup"]
 
+_UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
+_UNGUARDED = (
+    "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
+    "are spawned processes, and each one imports the main script again before it can run anything, so "
+    "that call would start workers from inside a worker. Fix: put the call under "
+    "`if __name__ == \"__main__\":` (Python's multiprocessing requires this for the spawn start method)"
+)
+
 
 def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -78,6 +86,9 @@ class WorkerGroup:
     def __init__(self, nprocs: int, timeout: float = 120.0):
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        if getattr(mp.process.current_process(), "_inheriting", False):  # a spawned child importing __main__
+            sys.stderr.write(f"shardlib: {_UNGUARDED}\n")
+            raise SystemExit(_UNGUARDED_EXIT)  # the parent reads the code and names the cause
         self.nprocs = nprocs
         self.timeout = timeout
         self._dir = tempfile.mkdtemp(prefix="shardlib-")
@@ -150,6 +161,10 @@ class WorkerGroup:
                     self._procs[rank].join(timeout=1)
                     code = self._procs[rank].exitcode
                     how = f"exit code {code}"
+                    if code == _UNGUARDED_EXIT and startup:
+                        errors[rank] = ("ProcessExit", f"worker process exited at start: {_UNGUARDED}", "")
+                        del pending[rank]
+                        continue
                     if code is not None and code < 0:
                         import signal
 
@@ -241,4 +256,5 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 600.0) -> lis
     """
     with WorkerGroup(nprocs, timeout=timeout) as group:
         return group.run(fn, *args)
+
 

@@ -38,18 +38,23 @@ def _replace_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
     raise RuntimeError("tensor parallel: found no floating-point input tensor to share among column layers")
 
 
-def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
-    """Replace the modules listed in ``plan.tp_layers``; return the hook handles installed."""
+def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Module, list]:
+    """Replace the modules listed in ``plan.tp_layers``; return ``(model, hook handles)``.
+
+    ``model`` is changed in place, except when it is itself a planned layer (``shard()`` of a
+    bare ``nn.Linear`` or ``nn.Embedding``, layer path ``""``): then the returned model is its
+    parallel form and the given module is left as it was.
+    """
     hooks: list = []
     if not plan.tp_layers:
-        return hooks
+        return model, hooks
     sp = plan.sequence_parallel
     local_of: dict[int, nn.Parameter] = {}
     groups: dict[str, str] = {}
     for layer in plan.tp_layers:
         parent_path, _, attr = layer.path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        old = getattr(parent, attr)
+        old = getattr(parent, attr) if attr else model  # path "": the root module is the layer
         axis = layer.axis
         if layer.kind == "column":
             new = ColumnParallelLinear.from_linear(
@@ -76,7 +81,10 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
             new.weight = shared
         else:
             local_of[id(old.weight)] = new.weight
-        setattr(parent, attr, new)
+        if attr:
+            setattr(parent, attr, new)
+        else:
+            model = new
 
     for group, axis in groups.items():
         parent = model.get_submodule(group) if group else model
@@ -92,7 +100,7 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> list:
         params = dict(model.named_parameters(remove_duplicate=False))
         for name in plan.sp_grad_params:
             sum_grad_over(params[name], axis, mesh)
-    return hooks
+    return model, hooks
 
 
 def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) -> list:

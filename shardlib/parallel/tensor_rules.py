@@ -208,7 +208,7 @@ def analyze_tensor_parallel(
         if rows:
             if not cols:
                 raise ShardingError(
-                    f"row-parallel layer {rows[0].path} (split over {rows[0].axis!r}, size {mesh_shape[rows[0].axis]}) has "
+                    f"row-parallel layer {rows[0].path or '<root>'} (split over {rows[0].axis!r}, size {mesh_shape[rows[0].axis]}) has "
                     f"no column-parallel partner in {parent or '<root>'}: its input would arrive whole, not split. Fix: "
                     "split the layer(s) feeding it by output features (P('tp', None) on their weight), or replicate it"
                 )

@@ -1,0 +1,118 @@
+"""Command-line glue for training scripts run under ``torchrun``: one error line, not 150.
+
+:class:`ArgumentParser` shows every option's default in ``--help`` and turns a usage error into
+one line; :func:`main_guard` prints a configuration error once, from the lowest failing rank.
+Used by ``examples/train_gpt.py`` and ``examples/train_hf.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+__all__ = ["ArgumentParser", "main_guard", "CONFIG_ERRORS"]
+
+# What a bad configuration raises before training: plan checks (ShardingError and
+# CheckpointError are ValueErrors), bad values (ValueError), missing files (FileNotFoundError);
+# and a script's own ``raise SystemExit("message")``.
+CONFIG_ERRORS = (ValueError, FileNotFoundError)
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and ``(default: ...)`` after every option's help that
+    does not already say its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose ``--help`` shows the defaults and whose usage errors
+    raise ``SystemExit("prog: error: ... (see --help)")``, one line that :func:`main_guard`
+    prints once instead of once per rank."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and kwargs.get("default") not in (None, False):
+            kwargs["help"] = "(default: %(default)s)"  # argparse shows no default for an option without help
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str):
+        raise SystemExit(f"{self.prog}: error: {message} (see --help)")
+
+
+def _lowest_failing_rank(rank: int, wait_s: float = 1.0) -> bool:
+    """Whether no rank below ``rank`` reported a failure (through the process group's store,
+    within ``wait_s`` seconds). Without an initialized process group only rank 0 says yes: what
+    fails before it (argument parsing) fails the same way on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return rank == 0
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        store.set(f"shardlib/failed/{rank}", "1")
+        deadline = time.monotonic() + (wait_s if rank > 0 else 0.0)
+        lower = [f"shardlib/failed/{r}" for r in range(rank)]
+        while True:
+            if any(store.check([key]) for key in lower):
+                return False
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(0.05)
+    except Exception:  # no store to ask: better twice than never
+        return True
+
+
+def main_guard(main: Callable[[], int | None], prog: str | None = None) -> int:
+    """Run a training script's ``main()``; print a configuration error once, as one line.
+
+    Under ``torchrun`` every rank raises the same plan-time error; printed by each rank with its
+    traceback, plus the launcher's summary, that was about 150 lines. Here an error of the kinds
+    in :data:`CONFIG_ERRORS`, or a ``SystemExit`` carrying a message (as
+    :class:`ArgumentParser` raises), is printed by the lowest failing rank only (found through
+    the process group's store; before ``torch.distributed`` is initialized, by rank 0), as
+    ``prog: error: <message>``, and the exit status is 2. ``SHARDLIB_TRACEBACK=1`` re-raises
+    instead, with the traceback. Any other exception propagates unchanged.
+
+    Args:
+        main: the entry point; its return value is the exit status (None: 0).
+        prog: the name that starts the message (default: the script's file name).
+
+    Returns:
+        The exit status, for ``sys.exit(main_guard(main))``.
+    """
+    prog = prog or os.path.basename(sys.argv[0] or "shardlib")
+    try:
+        return int(main() or 0)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            raise
+        message = str(exc.code)
+    except CONFIG_ERRORS as exc:
+        if os.environ.get("SHARDLIB_TRACEBACK") == "1":
+            raise
+        message = f"{type(exc).__name__}: {exc}"
+    rank = int(os.environ.get("RANK", "0"))
+    if _lowest_failing_rank(rank):
+        if not message.startswith(f"{prog}: "):
+            where = f" on rank {rank}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+            message = f"{prog}: error{where}: {message}"
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(_QUIET_EXIT_DELAY_S)  # torchrun stops every rank when the first exits: let the printer print
+    return 2
+
+
+_QUIET_EXIT_DELAY_S = 3.0

@@ -1,0 +1,66 @@
+"""Training scripts under torchrun: a configuration error is one line from one rank, --help
+shows the defaults (issue 12: a bad config printed about 150 lines, a traceback per rank)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(tmp_path, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "train_gpt.py"), "--steps", "1", "--batch-size", "4", "--block-size", "16",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--sample", "0", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("SHARDLIB_TRACEBACK", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("args,message", [
+    (("--zero-stage", "5"), "train_gpt.py: error: argument --zero-stage: invalid choice: 5"),
+    (("--val-files", "hamlet.txt"), "held-out files hamlet.txt (--val-files) name files of a --data folder"),
+    (("--mesh", "dp=1,tp=2", "--n-head", "1"), "ShardingError: attention blocks.0.attn"),
+])
+def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message):
+    out = _torchrun(tmp_path, *args)
+    assert out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if line.startswith("train_gpt.py: error")]
+    assert len(ours) == 1 and message in ours[0], out.stderr[-3000:]
+    assert "Fix:" in ours[0] or "see --help" in ours[0]
+    # no rank's traceback and no recorded error file (torchrun's own ChildFailedError summary remains)
+    assert "[rank" not in out.stderr and 'train_gpt.py", line' not in out.stderr, out.stderr[-3000:]
+    assert "error_file: <N/A>" in out.stderr
+    assert len((out.stdout + out.stderr).splitlines()) < 60, out.stdout + out.stderr
+
+
+def test_help_shows_the_defaults():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    assert "--zero-stage {0,1,2,3} (default: 3)" in text and "--lr LR (default: 0.002)" in text
+    assert "../shared" not in out.stdout
+
+
+def test_main_guard_lets_other_errors_through_and_honours_shardlib_traceback(monkeypatch):
+    from shardlib.cli import main_guard
+    from shardlib.errors import ShardingError
+
+    def bad():
+        raise ShardingError("bad spec. Fix: another")
+
+    assert main_guard(bad, prog="x") == 2
+    monkeypatch.setenv("SHARDLIB_TRACEBACK", "1")
+    with pytest.raises(ShardingError):
+        main_guard(bad, prog="x")
+
+    def crash():
+        raise RuntimeError("a bug, not a configuration")
+
+    with pytest.raises(RuntimeError):
+        main_guard(crash, prog="x")
