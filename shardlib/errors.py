@@ -7,7 +7,7 @@ was given (parameter name, shape, spec), the mesh, the rule broken, and a fix.
 
 from __future__ import annotations
 
-__all__ = ["ShardingError", "WorkerError"]
+__all__ = ["ShardingError", "NotElementwiseError", "WorkerError"]
 
 
 class ShardingError(ValueError):
@@ -15,6 +15,13 @@ class ShardingError(ValueError):
 
     Raised identically on every rank before the first collective, so no rank is left waiting.
     """
+
+
+class NotElementwiseError(ShardingError, TypeError):
+    """An optimizer class :class:`~shardlib.ZeroOptimizer` cannot shard: its update of a part of
+    a tensor is not that part of its update of the whole tensor (it reads a whole-tensor
+    statistic: a norm, rows and columns, the shape). Raised in ``ZeroOptimizer(...)`` on every
+    rank, before the first step; also a ``TypeError`` (the wrong kind of optimizer class)."""
 
 
 class WorkerError(RuntimeError):

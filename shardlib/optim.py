@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from . import kernels
+from .elementwise import check_elementwise
 from .mesh.collectives import raw_all_reduce
 from .parallel.offload import OptimizerOffload
 from .shard import ShardedModule
@@ -76,12 +77,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Builds ``optimizer_cls`` over the flat tensors this rank updates: whole chunks under
     stage 0, this rank's shards under stages 1-3 (ZeRO, arXiv 1910.02054), so optimizer state is
-    sharded from stage 1. ``optimizer_cls`` must be elementwise (AdamW, Adam, SGD, ...): per-
-    tensor optimizers (LAMB, Adafactor) would see chunks, not parameters.
+    sharded from stage 1. ``optimizer_cls`` must be elementwise (its update of a shard is the
+    shard of its update): per-tensor optimizers (Adafactor, LAMB, Muon, LBFGS) would see chunks,
+    not parameters, and are refused. Accepted: torch's elementwise optimizers (SGD, Adam, AdamW,
+    Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD) and
+    :class:`shardlib.kernels.FusedAdamW`, by exact class; a class whose own body sets
+    ``shardlib_elementwise = True`` (its author vouches); any other optimizer (a subclass, your
+    own) if a probe proves it elementwise with ``optimizer_kwargs``: a few steps on small
+    float64 CPU tensors, per parameter and as their flat concatenation cut in two, must agree
+    (:func:`shardlib.elementwise.probe`, no communication).
 
     Args:
         smodel: the module returned by :func:`shardlib.shard`.
-        optimizer_cls: a ``torch.optim.Optimizer`` class, e.g. ``torch.optim.AdamW``.
+        optimizer_cls: an elementwise ``torch.optim.Optimizer`` class (above), e.g.
+            ``torch.optim.AdamW``.
         max_grad_norm: if given, ``step()`` clips to this global norm first (the norm is in
             ``last_grad_norm``).
         offload: ZeRO-Offload (arXiv 2101.06840): the optimizer works on host copies of the
@@ -109,6 +118,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Raises:
         TypeError: ``smodel`` is not a sharded module.
+        shardlib.errors.NotElementwiseError: (a ``ShardingError`` and a ``TypeError``)
+            ``optimizer_cls`` is not shown elementwise (Adafactor, LBFGS, SparseAdam, Muon, a
+            per-tensor-norm optimizer of your own): on every rank, before the first step; the
+            message names the class, what the probe found and the optimizers that work.
+        ValueError: no trainable parameters on this rank.
 
     Example:
         >>> import shardlib
@@ -122,6 +136,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload: bool | None = None, **optimizer_kwargs: Any):
         if not isinstance(smodel, ShardedModule):
             raise TypeError(f"ZeroOptimizer takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
+        check_elementwise(optimizer_cls, optimizer_kwargs)  # every rank alike, before anything moves
         self.smodel = smodel
         self._zero = smodel._zero
         if not self._zero.optimizer_params():

@@ -17,6 +17,7 @@ from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .plan import Plan, plan
+from .state_names import StateName, model_state_names, persistent_buffers
 
 __all__ = ["ShardedModule", "PipelineModule", "shard", "load_full_state_dict", "full_state_dict", "full_grads", "model_state_bytes"]
 
@@ -126,6 +127,12 @@ class ShardedModule(nn.Module):
         self._zero.zero_grad()
 
     @property
+    def model_state_names(self) -> tuple[StateName, ...]:
+        """Every parameter (canonical name, tied aliases, global shape) and persistent buffer of
+        the whole model, the same on every rank (a pipeline's: every stage's)."""
+        return model_state_names(self.plan.params, [self.module])
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """The mesh axes the batch is split along (gradients are averaged over them)."""
         return self.plan.data_axes
@@ -184,6 +191,13 @@ class PipelineModule(ShardedModule):
         self.schedule = pipeline["schedule"]
         self.stage_layers = pipeline["stage_layers"]
         self.stage_bytes = pipeline["stage_bytes"]
+        self._model_state_names = pipeline["model_state_names"]
+
+    @property
+    def model_state_names(self) -> tuple[StateName, ...]:
+        """Every stage's parameters and persistent buffers (computed at shard time from the whole
+        model), the same on every rank: what a checkpoint load checks against."""
+        return self._model_state_names
 
     def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
         """Run one step's forwards and backwards over ``microbatches`` microbatches.
@@ -273,6 +287,8 @@ def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> P
         layers = st._chunks[s // mesh.size(axis)]
         pipeline["stage_layers"].append([name for name, _ in layers])
         pipeline["stage_bytes"].append(st.chunk_bytes[s // mesh.size(axis)])
+    held = {name for st in stages for name, _ in st.named_parameters(remove_duplicate=False)}
+    pipeline["model_state_names"] = model_state_names(full.params, stages, held)
     stage = stages[mesh.index(axis)]
     # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
@@ -485,13 +501,12 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
         c, off = plan.placement[pp.name]
         zero.write_full(zero.chunks[c], off, flat)  # master shard and compute copy
     buffers = dict(smodel.module.named_buffers())
+    persistent = persistent_buffers(smodel.module)
     for name, buf in buffers.items():
         if name in state_dict:
             buf.copy_(state_dict[name])
-        else:
-            owner, _, leaf = name.rpartition(".")
-            if leaf not in smodel.module.get_submodule(owner)._non_persistent_buffers_set:
-                missing.append(name)
+        elif name in persistent:
+            missing.append(name)
     unexpected = [k for k in state_dict if k not in known and k not in buffers]
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")

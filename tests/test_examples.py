@@ -12,7 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_gpt(tmp_path, *extra):
+def _train_gpt(tmp_path, *extra, fails=False):
+    """Run the job on 2 ranks; its stdout, or with ``fails`` its stdout and stderr (it must fail)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(ROOT / "examples" / "train_gpt.py"),
@@ -21,6 +22,9 @@ def _train_gpt(tmp_path, *extra):
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    if fails:
+        assert out.returncode != 0, out.stdout[-3000:]
+        return out.stdout + out.stderr
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -40,3 +44,11 @@ def test_train_gpt_under_torchrun_with_check_and_resume(tmp_path):
     straight, resumed = json.loads(log.read_text())["history"], json.loads(log2.read_text())["history"]
     keys = ("step", "train_loss", "val_loss")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in straight]
+    # a 2-block model's checkpoint into the 1-block model: refused with the reason (it used to
+    # print "resumed" and train on, the second block's weights ignored)
+    deeper = tmp_path / "deeper"
+    _train_gpt(tmp_path, "--n-layer", "2", "--steps", "2", "--ckpt-dir", str(deeper))
+    out = _train_gpt(tmp_path, "--resume", str(deeper), "--n-layer", "1", fails=True)
+    assert "resumed from" not in out and "CheckpointError" in out
+    assert "does not fit GPT: 16 of its entries are in no rank's part of the model: blocks.1." in out
+    assert "pass strict=False" in out

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..errors import ShardingError
 from ..random import MeshDropout
 from ..shard import ShardedModule, full_state_dict
+from ..state_names import persistent_buffers
+from ._fit import fit_problems
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
 
@@ -97,15 +99,6 @@ def _dropouts(smodel: ShardedModule) -> dict[str, MeshDropout]:
     return {path: m for path, m in smodel.module.named_modules() if isinstance(m, MeshDropout)}
 
 
-def _persistent_buffers(smodel: ShardedModule) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, buf in smodel.module.named_buffers():
-        owner, _, leaf = name.rpartition(".")
-        if leaf not in smodel.module.get_submodule(owner)._non_persistent_buffers_set:
-            out[name] = buf
-    return out
-
-
 def _rng_state() -> dict:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -136,7 +129,7 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
                     f"checkpoint.save: optimizer state {key!r} of {name} has shape "
                     f"{tuple(getattr(state, 'shape', ()))}, neither per element {tuple(chunk.opt_param.shape)} nor a "
                     f"scalar; only elementwise optimizers (AdamW, Adam, SGD) are supported")
-    for name, buf in _persistent_buffers(smodel).items():
+    for name, buf in persistent_buffers(smodel.module).items():
         sd[f"model.{name}"] = buf.detach()
     if inner is not None:
         sd["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
@@ -250,7 +243,7 @@ def _check_complete(path: str) -> dict:
     return info
 
 
-def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) -> dict:
+def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, strict: bool = True) -> dict:
     """Load a checkpoint written by :func:`save` into ``smodel`` (and ``optimizer``), resharding.
 
     Collective: call on every rank. The mesh and plan may differ from the saving run's: another
@@ -265,16 +258,26 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
         smodel: a module from :func:`shardlib.shard` with the same parameter names and global
             shapes as the saved one.
         optimizer: its :class:`~shardlib.ZeroOptimizer`; its state is replaced by the saved one.
+        strict: if True (the default), the checkpoint's parameters and persistent buffers must
+            be exactly the model's: none missing, none that no rank of the model holds (checked
+            over the whole model, every pipeline stage included, as ``torch.nn.Module.
+            load_state_dict(strict=True)``). If False, only the entries both have are loaded
+            (weights and their optimizer state); the model's other parameters and buffers keep
+            their values, and their optimizer state starts from zero (moments; the step count is
+            that of their flat chunk), the checkpoint's other entries are ignored. Shapes must
+            agree either way. The returned ``extra`` is the saved one in both cases.
 
     Returns:
         The ``extra`` dict given to :func:`save` (``{}`` if none).
 
     Raises:
         CheckpointError: on every rank before any communication: ``path`` missing or a save that
-            did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a parameter or
-            buffer missing from the checkpoint or of another global shape; ``optimizer`` given
-            but the checkpoint has no optimizer state, or the state of another optimizer class
-            (AdamW saved, SGD given).
+            did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a parameter,
+            buffer or per-element optimizer state of another global shape; with ``strict``, a
+            parameter or buffer missing from the checkpoint, or checkpoint entries that no rank
+            of the model holds (a checkpoint of a model with more layers: named, a few and the
+            count); ``optimizer`` given but the checkpoint has no optimizer state, or the state of
+            another optimizer class (AdamW saved, SGD given).
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
     """
     if not isinstance(smodel, ShardedModule):
@@ -291,20 +294,21 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
             f"checkpoint {path!r} holds the state of a {info['optimizer_class']} optimizer, but the optimizer given is a "
             f"{_optimizer_kind(inner)}: its state and hyperparameters would not fit. Fix: build the ZeroOptimizer with "
             f"{info['optimizer_class']}, or call load() without optimizer (weights only)")
+    problems, names_differ = fit_problems(smodel, saved, inner is not None, strict)  # the whole model: every rank
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        fix = "build the model the checkpoint was saved from (the same layers, names and shapes)"
+        if names_differ:
+            fix += ", or pass strict=False to load only the entries both have (their shapes must still agree)"
+        raise CheckpointError(f"checkpoint {path!r} does not fit {type(smodel.module).__name__}: {shown}. Fix: {fix}")
     zero = smodel._zero
     sd: dict[str, Any] = {}
-    problems: list[str] = []
     updated = _optimizer_params(smodel, inner) if inner is not None else {}
     states: list[tuple[torch.Tensor, str, Any]] = []  # (optimizer's param, state key, tensors)
     new_state: dict[int, dict] = {}
     for pp, name, prm, _ in entries(smodel):
         key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
-        if key is None:
-            problems.append(f"parameter {pp.name} {pp.global_shape} is not in the checkpoint")
-            continue
-        md = saved[f"model.{key}"]
-        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != pp.global_shape:
-            problems.append(f"parameter {pp.name}: shape {pp.global_shape} here, {tuple(getattr(md, 'size', ()))} in the checkpoint")
+        if key is None:  # not in the checkpoint (strict=False): keeps its value
             continue
         pieces = [p for a, b, flat in load_targets(smodel, pp) for p in global_pieces(smodel, pp, a, b, flat)]
         sd[f"model.{key}"] = Boxes(pp.global_shape, pp.dtype, pieces)
@@ -318,29 +322,18 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None) 
             md = saved[prefix + skey]
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            if tuple(md.size) == pp.global_shape and len(md.size) > 0:
+            if len(md.size) > 0:  # per element: its shape was checked above
                 if skey not in fresh:
                     fresh[skey] = torch.zeros_like(updated[chunk.index], dtype=md.properties.dtype)
                 a, b, flat = region(smodel, pp, fresh[skey])
                 sd[prefix + skey] = Boxes(pp.global_shape, md.properties.dtype, global_pieces(smodel, pp, a, b, flat))
-            elif len(md.size) == 0:
-                if skey not in fresh:
-                    fresh[skey] = torch.zeros((), dtype=md.properties.dtype)
-                    sd[prefix + skey] = fresh[skey]
-            else:
-                problems.append(f"optimizer state {skey!r} of {pp.name}: shape {tuple(md.size)} in the checkpoint")
+            elif skey not in fresh:
+                fresh[skey] = torch.zeros((), dtype=md.properties.dtype)
+                sd[prefix + skey] = fresh[skey]
         states.append((updated[chunk.index], prefix, fresh))
-    for name, buf in _persistent_buffers(smodel).items():
-        md = saved.get(f"model.{name}")
-        if md is None:
-            problems.append(f"buffer {name} is not in the checkpoint")
-        elif tuple(md.size) != tuple(buf.shape):
-            problems.append(f"buffer {name}: shape {tuple(buf.shape)} here, {tuple(md.size)} in the checkpoint")
-        else:
+    for name, buf in persistent_buffers(smodel.module).items():
+        if f"model.{name}" in saved:  # else (strict=False) it keeps its value
             sd[f"model.{name}"] = buf
-    if problems:
-        shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise CheckpointError(f"checkpoint {path!r} does not fit {type(smodel.module).__name__}: {shown}")
     wanted = ["extra"] + [f"dropout.{p}" for p in _dropouts(smodel)]
     if inner is not None:
         wanted.append("optim.param_groups")

@@ -1,0 +1,133 @@
+"""Which optimizers :class:`~shardlib.ZeroOptimizer` may run on flat ZeRO chunks and shards.
+
+ZeRO (arXiv 1910.02054) hands the inner optimizer 1-D tensors that concatenate many parameters,
+cut at arbitrary offsets (a rank's shard of a flat chunk). That is only the unsharded training
+if the optimizer is *elementwise*: its update of any part of a tensor is that part of its update
+of the whole tensor. Adam's is; Adafactor's (row and column statistics of a 2-D weight), LAMB's
+and LARS's (per-tensor norms), Muon's (orthogonalized matrices) and LBFGS's (the whole
+parameter vector, through a closure) are not: run on chunks they train another model, silently.
+
+Accepted: torch's elementwise optimizers by exact class (:data:`ELEMENTWISE_OPTIMIZERS`,
+checked against torch 2.13's source: every state tensor is per element and every update a
+function of the same element's parameter, gradient and state, scalar step counts aside); a
+class that declares ``shardlib_elementwise = True`` in its own body; and any other optimizer
+that :func:`probe` proves elementwise on small float64 CPU tensors with the caller's
+hyperparameters. Everything else is refused by :func:`check_elementwise`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import NotElementwiseError
+from .kernels import FusedAdamW
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise", "probe"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.ASGD, FusedAdamW,
+)
+
+# The probe: parameters shaped like a model's (weights and biases), their gradients at different
+# scales (a per-tensor statistic then shows), the flat concatenation cut inside the first weight.
+PROBE_SHAPES = ((5, 3), (3,), (2, 4), (4,))
+PROBE_SPLIT = 13  # of 30 elements: two flat pieces, as a ZeRO shard boundary cuts a chunk
+PROBE_STEPS = 3
+PROBE_RTOL = 1e-12  # float64; elementwise updates agree to rounding (fused multiply-adds)
+
+
+def _name(optimizer_cls: Any) -> str:
+    """``torch.optim.Adafactor`` (the public path when torch.optim exports it), ``mod.Class``."""
+    name = getattr(optimizer_cls, "__qualname__", None) or repr(optimizer_cls)
+    if getattr(torch.optim, name, None) is optimizer_cls:
+        return f"torch.optim.{name}"
+    module = getattr(optimizer_cls, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def _run(optimizer_cls: Any, kwargs: dict, tensors: list[torch.Tensor], grads: list[list[torch.Tensor]]):
+    params = [t.clone().requires_grad_() for t in tensors]
+    opt = optimizer_cls(params, **kwargs)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def probe(optimizer_cls: Any, optimizer_kwargs: dict) -> str | None:
+    """Run ``optimizer_cls(params, **optimizer_kwargs)`` for :data:`PROBE_STEPS` steps on a few
+    float64 CPU parameters ``PROBE_SHAPES``, and on their flat concatenation cut into two pieces
+    at :data:`PROBE_SPLIT`, with the same gradients; torch's global RNG is left as it was.
+
+    Returns:
+        None if the two agree (relative :data:`PROBE_RTOL`, and some parameter moved), else why
+        not, as a phrase (``"raised TypeError: ..."``, ``"gave other values on the split tensor
+        (max relative difference 4.1e-02)"``).
+    """
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g, dtype=torch.float64) for s in PROBE_SHAPES]
+    grads = [[torch.randn(s, generator=g, dtype=torch.float64) * 10.0**i for i, s in enumerate(PROBE_SHAPES)]
+             for _ in range(PROBE_STEPS)]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    pieces = list(flat.split([PROBE_SPLIT, flat.numel() - PROBE_SPLIT]))
+    flat_grads = []
+    for step_grads in grads:
+        cat = torch.cat([t.reshape(-1) for t in step_grads])
+        flat_grads.append(list(cat.split([PROBE_SPLIT, cat.numel() - PROBE_SPLIT])))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same draws on every rank: every rank decides alike
+            whole = _run(optimizer_cls, optimizer_kwargs, tensors, grads)
+            torch.manual_seed(0)
+            split = _run(optimizer_cls, optimizer_kwargs, pieces, flat_grads)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not shown elementwise
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"raised {type(exc).__name__}{': ' + text[:200] if text else ''}"
+    if not (torch.isfinite(whole).all() and torch.isfinite(split).all()):
+        return "gave non-finite values"
+    if torch.equal(whole, flat):
+        return "left the parameters unchanged (lr=0?), so nothing was shown"
+    err = ((whole - split).abs() / whole.abs().clamp_min(1e-6)).max().item()  # values are O(1)
+    if not err <= PROBE_RTOL:
+        return f"gave other values on the split tensor (max relative difference {err:.1e})"
+    return None
+
+
+def check_elementwise(optimizer_cls: Any, optimizer_kwargs: dict) -> None:
+    """Refuse an optimizer whose update of a ZeRO shard would not be the shard of its update.
+
+    Args:
+        optimizer_cls: what :class:`~shardlib.ZeroOptimizer` was given (a class or a factory
+            ``f(params, **kwargs)``).
+        optimizer_kwargs: its hyperparameters (the probe uses them).
+
+    Raises:
+        NotElementwiseError: ``optimizer_cls`` is neither one of
+            :data:`ELEMENTWISE_OPTIMIZERS` (exact classes), nor declares
+            ``shardlib_elementwise = True`` in its class body, nor passes :func:`probe`. No
+            communication: every rank decides alike.
+    """
+    if any(optimizer_cls is c for c in ELEMENTWISE_OPTIMIZERS):
+        return
+    if isinstance(optimizer_cls, type) and vars(optimizer_cls).get("shardlib_elementwise") is True:
+        return  # the author's word for it
+    why = probe(optimizer_cls, dict(optimizer_kwargs))
+    if why is None:
+        return
+    name = _name(optimizer_cls)
+    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:-1])
+    short = getattr(optimizer_cls, "__name__", name)
+    vouch = "" if name.startswith("torch.") else (
+        f", or, if {short}'s update is elementwise, declare it with the class attribute shardlib_elementwise = True")
+    raise NotElementwiseError(
+        f"ZeroOptimizer(smodel, {name}): the optimizer must be elementwise, because it runs on flat 1-D ZeRO "
+        f"chunks and shards that concatenate many parameters and cut them anywhere, so an update that reads a "
+        f"whole tensor (its norm, rows and columns, or shape: Adafactor, LAMB, LARS, Muon, LBFGS) would train "
+        f"another model. {name} is not one of torch's elementwise optimizers, and on a few float64 parameters and "
+        f"their flat concatenation cut in two it {why}. Fix: use an elementwise optimizer (torch.optim.{known}){vouch}"
+    )
