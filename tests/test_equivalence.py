@@ -72,6 +72,7 @@ class LrBugAdamW(torch.optim.AdamW):
 
 
 class LateLrBugAdamW(LrBugAdamW):
+    shardlib_elementwise = True  # declared per class (ZeroOptimizer does not inherit it)
     from_step = 2  # the third step only: after the trajectories may already differ by rounding
 
 
