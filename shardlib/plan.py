@@ -21,6 +21,7 @@ import torch
 
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
+from .lowering import lower
 from .options import DEFAULT_CHUNK_SIZE, check_options
 from .plan_items import ChunkPlan, ParamPlan
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
@@ -240,15 +241,14 @@ class Plan:
         return self.explain()
 
     def apply(self, model: torch.nn.Module):
-        """Shard ``model`` as planned (``shard(model, mesh, specs, **options)`` is this)."""
-        from .shard import ShardedModule
-
+        """Shard ``model`` as planned (``shard(model, mesh, specs, **options)`` is this): a
+        :class:`~shardlib.ShardedModule`, through the lowering :mod:`shardlib.shard` registers."""
         if self.mesh is None or not hasattr(self.mesh, "group"):
             raise ShardingError(
                 "this plan was made on an AbstractMesh (or unpickled) and cannot move tensors; "
                 "make it with a Mesh from init_mesh() to apply it"
             )
-        return ShardedModule(model, self)
+        return lower(self, model)
 
 
 def _rebuild_plan(state):

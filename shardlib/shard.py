@@ -16,6 +16,7 @@ from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
+from .lowering import register_lowering
 from .plan import Plan, plan
 
 __all__ = ["ShardedModule", "PipelineModule", "shard", "load_full_state_dict", "full_state_dict", "full_grads", "model_state_bytes"]
@@ -227,6 +228,11 @@ class PipelineModule(ShardedModule):
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's actions on this rank: ``(action, start s, end s)``."""
         return self.runner.timeline
+
+
+@register_lowering(Plan)
+def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
+    return ShardedModule(model, plan)
 
 
 def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> PipelineModule:
