@@ -59,6 +59,7 @@ class Stage(nn.Module):
     def __init__(self, chunks: list[list]):
         super().__init__()
         self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
+        self.chunk_layers = [[name for name, _, _ in layers] for layers in chunks]  # layer names of each chunk
         self.chunk_bytes = []  # parameter bytes of each chunk, a shared tensor counted once
         for layers in chunks:
             unique = {id(p): p for _, mods, _ in layers for m in mods.values() for p in m.parameters()}

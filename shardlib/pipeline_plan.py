@@ -1,0 +1,311 @@
+"""The plan of a pipeline: stages over the ``pp`` axis, each with its own sharding plan, and a schedule.
+
+:func:`plan_pipeline` is what :func:`shardlib.plan` does on a mesh with a pipeline axis of size
+> 1, and what :func:`shardlib.shard` applies, so the printed plan and the run cannot drift:
+
+1. the schedule's sizes are checked (:func:`~shardlib.parallel.schedules.build_schedule`);
+2. the whole model is planned (every check, and the layout each stage follows: a tied tensor
+   keeps one layout on every stage, under either name);
+3. the layers (``model.pipeline_layers()``) are cut into ``p * v`` stages
+   (:func:`~shardlib.parallel.pipeline.partition`); stage ``s`` lives on pp rank ``s % p``;
+4. each pp rank's :class:`~shardlib.parallel.pipeline.Stage` is planned like any module, with
+   the whole model's specs, ZeRO over the data axes and tensor parallelism over the tensor axis.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .errors import ShardingError
+from .lowering import lower
+from .mesh.mesh import AbstractMesh
+from .parallel.pipeline import Stage, partition
+from .parallel.schedules import Simulation, bubble_fraction, build_schedule, format_grid, simulate
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["PipelinePlan", "plan_pipeline", "pipeline_axis", "check_no_pipeline_options", "PIPELINE_OPTIONS"]
+
+PIPELINE_OPTIONS = ("schedule", "microbatches", "virtual_stages", "split_points")
+
+
+def pipeline_axis(mesh: Any, options: dict) -> str | None:
+    """The pipeline axis (option ``pp_axis``, default ``"pp"``) if ``mesh`` has it with size > 1."""
+    axis = options.get("pp_axis", "pp")
+    return axis if isinstance(axis, str) and dict(mesh.shape).get(axis, 1) > 1 else None
+
+
+def check_no_pipeline_options(mesh: Any, options: dict) -> None:
+    """Refuse pipeline options on a mesh without a pipeline axis of size > 1.
+
+    Raises:
+        ShardingError: ``schedule``, ``microbatches``, ``virtual_stages`` or ``split_points`` given.
+    """
+    axis = options.get("pp_axis", "pp")
+    for key in PIPELINE_OPTIONS:
+        if key in options:
+            raise ShardingError(
+                f"option {key}={options[key]!r} needs a pipeline axis {axis!r} of size > 1 in the mesh {dict(mesh.shape)}. "
+                f"Fix: add the axis to the mesh (e.g. {{{axis!r}: 2, ...}}), or drop the option"
+            )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A checked pipeline plan: the stages, each stage's sharding :class:`~shardlib.Plan`, the schedule.
+
+    ``str(pplan)`` / :meth:`explain` print the stages (layers, pp rank), each pp rank's
+    parameter, gradient and optimizer bytes, the bytes of one boundary transfer, the bubble and
+    the schedule as a step-by-rank grid, then each stage's plan. Frozen, picklable (the mesh
+    becomes abstract) and equal on every rank.
+
+    Attributes:
+        pp_axis: the pipeline mesh axis.
+        schedule: ``"gpipe"`` (arXiv 1811.06965), ``"1f1b"`` or ``"interleaved_1f1b"`` (arXiv 2104.04473).
+        p: ranks along the pipeline axis. m: microbatches per step. v: model chunks per rank.
+        stage_layers: for each of the ``p * v`` stages (stage ``s`` on pp rank ``s % p``), the
+            names of its layers, in ``pipeline_layers()`` order.
+        stage_param_bytes: each stage's parameter bytes before sharding (a shared tensor once).
+        stages: for each pp rank ``r``, the plan of its :class:`~shardlib.parallel.pipeline.Stage`
+            (stages ``r, r + p, ...``): bytes per rank after ZeRO / tensor parallelism over the
+            other axes, on the rank at pp index ``r`` with this mesh's other coordinates (this
+            rank's own stage keeps the mesh; the others an :class:`~shardlib.AbstractMesh`).
+        whole: the whole model's plan (the checks and the layout every stage follows; its bytes
+            are those of all layers, about ``p`` times a stage's).
+        tied: ``(names, first pp rank)`` of each trainable tensor held on several pp ranks (a
+            tied embedding and LM head); its gradient is summed over ``pp`` every step.
+        activation_width: the last dimension of the activations sent between stages (the
+            model's ``config.n_embd``, ``hidden_size`` or ``d_model``); None when unknown.
+        mesh: the mesh (not part of equality; kept for :meth:`apply`).
+
+    Example:
+        >>> import shardlib
+        >>> from shardlib.models import GPT, GPTConfig
+        >>> gpt = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=4, n_head=2, n_embd=16))
+        >>> pplan = shardlib.plan(gpt, shardlib.AbstractMesh({"pp": 2, "dp": 2}), schedule="1f1b", microbatches=4)
+        >>> pplan.stage_layers[1], pplan.bubble, pplan.boundary_bytes(tokens=16)  # (B / m, T, C) fp32
+        (('blocks.2', 'blocks.3', 'head'), 0.2, 1024)
+    """
+
+    pp_axis: str
+    schedule: str
+    p: int
+    m: int
+    v: int
+    stage_layers: tuple[tuple[str, ...], ...]
+    stage_param_bytes: tuple[int, ...]
+    stages: tuple["Plan", ...]
+    whole: "Plan"
+    tied: tuple[tuple[tuple[str, ...], int], ...] = ()
+    activation_width: int | None = None
+    mesh: Any = field(compare=False, repr=False, default=None)
+
+    @property
+    def n_stages(self) -> int:
+        """``p * v``."""
+        return self.p * self.v
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """The first layer of stages 1, 2, ...: the cut, as :func:`partition` takes it."""
+        return tuple(layers[0] for layers in self.stage_layers[1:])
+
+    @property
+    def bubble(self) -> float:
+        """The theoretical idle fraction ``(p - 1) / (v m + p - 1)``."""
+        return bubble_fraction(self.p, self.m, self.v)
+
+    @functools.cached_property
+    def simulation(self) -> Simulation:
+        """The schedule run on a clock (forward and backward one unit each)."""
+        return simulate(build_schedule(self.schedule, self.p, self.m, self.v))
+
+    # the data layout is the same on every stage (the whole model's options)
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return self.whole.data_axes
+
+    @property
+    def data_size(self) -> int:
+        return self.whole.data_size
+
+    def boundary_bytes(self, tokens: int) -> int | None:
+        """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
+
+        Args:
+            tokens: tokens in one microbatch on one rank, before any sequence split
+                (``local batch / m * seq``).
+
+        Returns:
+            ``tokens * width * element size``; None if the width is unknown.
+        """
+        if self.activation_width is None:
+            return None
+        whole = self.whole
+        dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
+        return tokens * self.activation_width * dtype.itemsize
+
+    def transfers_per_step(self, rank: int) -> int:
+        """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
+        its stages but the last, ``m`` gradients from each but the first."""
+        mine = range(rank, self.n_stages, self.p)
+        return self.m * (sum(s < self.n_stages - 1 for s in mine) + sum(s > 0 for s in mine))
+
+    # -- printing ----------------------------------------------------------------------------
+    def summary(self, tokens: int | None = None) -> str:
+        """The pipeline in a few lines: schedule and bubble, stages, bytes per pp rank, transfers.
+
+        Args:
+            tokens: tokens in one microbatch on one rank (``local batch / m * seq``), for the
+                boundary bytes; without it they are reported as needing it.
+        """
+        lines = [f"Pipeline over {self.pp_axis!r} ({self.p} ranks x {self.v} chunks = {self.n_stages} stages), schedule "
+                 f"{self.schedule}, {self.m} microbatches; bubble (p-1)/(vm+p-1) = {self.bubble:.3f}; "
+                 f"peak stashed microbatches per rank {self.simulation.peak_stash}"]
+        for s, layers in enumerate(self.stage_layers):
+            lines.append(f"  stage {s} on rank {s % self.p}: {', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''} "
+                         f"({len(layers)} layers, {self.stage_param_bytes[s]:,} parameter bytes)")
+        whole = self.whole
+        tp = f"tensor parallel over {whole.tp_layers[0].axis!r}" if whole.tp_layers else "no tensor parallelism"
+        lines.append(f"model state per rank, each stage sharded over the other axes (zero_stage={whole.zero_stage} over "
+                     f"{whole.data_axes or '()'}, N={whole.data_size}; {tp}):")
+        for r, st in enumerate(self.stages):
+            lines.append(f"  pp rank {r}: params {st.param_bytes:,} B + grads {st.grad_bytes:,} B + optimizer "
+                         f"{st.optimizer_bytes:,} B ({st.optimizer_states} states) = {st.model_state_bytes:,} B")
+        for names, _ in self.tied:
+            ranks = [r for r, st in enumerate(self.stages) if any(q.name in names for q in st.params)]
+            lines.append(f"  tied across stages: {' = '.join(names)} on pp ranks {ranks}; its gradient is summed over "
+                         f"{self.pp_axis!r} every step")
+        shape = "(tokens, width)"
+        if self.activation_width is None:
+            lines.append(f"bytes per boundary transfer: unknown (the model's config gives no width; activations are {shape})")
+        elif tokens is None:
+            lines.append(f"bytes per boundary transfer: needs tokens= (tokens per microbatch per rank); activations "
+                         f"{shape} with width {self.activation_width}")
+        else:
+            per = self.boundary_bytes(tokens)
+            sends = ", ".join(f"rank {r} {self.transfers_per_step(r)}" for r in range(self.p))
+            lines.append(f"bytes per boundary transfer: {per:,} ({tokens} tokens per microbatch, {shape} with width "
+                         f"{self.activation_width}); transfers per step: {sends}")
+        return "\n".join(lines)
+
+    def explain(self, tokens: int | None = None) -> str:
+        """:meth:`summary`, the schedule grid, then each pp rank's stage plan.
+
+        A stage plan's communication figures are those of one forward and backward (one
+        microbatch, ``tokens`` per rank); a step runs ``m`` of them per stage and reduces the
+        gradients over the data axes once.
+        """
+        lines = [self.summary(tokens), "schedule (forward F, backward B; stage, kind, microbatch):",
+                 format_grid(self.simulation)]
+        for r, st in enumerate(self.stages):
+            lines.append(f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in range(r, self.n_stages, self.p))}; "
+                         f"communication of one microbatch, a step runs {self.m}):")
+            lines.append(st.explain(tokens))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def apply(self, model: torch.nn.Module):
+        """This rank's stage of ``model``, sharded as planned, with the schedule that runs it (a
+        :class:`~shardlib.PipelineModule`); ``shard(model, mesh, specs, **options)`` is this.
+
+        Raises:
+            ShardingError: the plan was made on an :class:`~shardlib.AbstractMesh` (or unpickled).
+        """
+        if self.mesh is None or not hasattr(self.mesh, "group"):
+            raise ShardingError(
+                "this pipeline plan was made on an AbstractMesh (or unpickled) and cannot move tensors; "
+                "make it with a Mesh from init_mesh() to apply it"
+            )
+        return lower(self, model)
+
+    def __reduce__(self):
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__}  # not the cached simulation
+        if state["mesh"] is not None:
+            state["mesh"] = state["mesh"].abstract()
+        return (_rebuild, (state,))
+
+
+def _rebuild(state):
+    return PipelinePlan(**state)
+
+
+def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, plan_module: Callable) -> PipelinePlan:
+    """Plan ``model`` as a pipeline over ``options["pp_axis"]`` (default ``"pp"``) of ``mesh``.
+
+    Args:
+        model: a model with ``pipeline_layers()`` or an ``nn.Sequential``.
+        mesh: a :class:`~shardlib.Mesh` or :class:`~shardlib.AbstractMesh` with the pipeline axis.
+        specs: as :func:`shardlib.plan`.
+        options: :func:`shardlib.plan`'s options, with ``schedule``, ``microbatches``,
+            ``virtual_stages`` and ``split_points``.
+        plan_module: the one-module planner (:func:`shardlib.plan.plan_module`), passed in so
+            that this module sits below ``plan.py`` and imports nothing from it.
+
+    Returns:
+        The :class:`PipelinePlan`.
+
+    Raises:
+        ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
+            stage; schedule sizes the schedule does not support; fewer layers than stages or
+            bad split points. All before any communication.
+    """
+    options = dict(options)
+    axis = options.pop("pp_axis", "pp")
+    p = mesh.size(axis)
+    schedule = options.pop("schedule", "1f1b")
+    m = options.pop("microbatches", p)
+    v = options.pop("virtual_stages", 1)
+    split_points = options.pop("split_points", None)
+    build_schedule(schedule, p, m, v)  # checks the sizes
+    whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    modules = [partition(model, r, p, v, split_points) for r in range(p)]
+    layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
+    sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))
+
+    # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
+    # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
+    exact = {name: pp.spec for pp in whole.params for name in (pp.name,) + pp.aliases}
+    options.pop("logical_axis_rules", None)
+    if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
+        by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
+        rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))
+                 for pp in whole.params for alias in (pp.name,) + pp.aliases}
+        options["init_rules"] = lambda name, _, rules=rules: rules.get(name)
+    stages = []
+    for r, stage in enumerate(modules):
+        # seen from the rank at pp index r with this rank's other coordinates (this mesh for our own stage)
+        view = mesh if r == mesh.index(axis) else AbstractMesh(mesh.shape, rank=mesh.axis_ranks(axis)[r])
+        stages.append(plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options))
+    return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
+                        stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
+                        activation_width=_activation_width(model), mesh=mesh)
+
+
+def _tied(model: torch.nn.Module, whole: "Plan", modules: list[Stage]) -> tuple:
+    owners: dict[int, set[int]] = {}
+    for r, stage in enumerate(modules):
+        for prm in stage.parameters():
+            owners.setdefault(id(prm), set()).add(r)
+    tied = []
+    for pp in whole.params:
+        ranks = owners.get(id(model.get_parameter(pp.name)), set())
+        if len(ranks) > 1 and pp.requires_grad:
+            tied.append(((pp.name,) + pp.aliases, min(ranks)))
+    return tuple(tied)
+
+
+def _activation_width(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("n_embd", "hidden_size", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
