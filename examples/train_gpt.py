@@ -3,6 +3,7 @@
 Launch:
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py             # ZeRO-3 over dp=4
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh pp=2,tp=2 --sequence-parallel
     python examples/train_gpt.py --mesh dp=1                                  # one process
     torchrun ... examples/train_gpt.py --data ../shared/data/shakespeare --val-files hamlet.txt,tempest.txt
     torchrun ... examples/train_gpt.py --ckpt-dir runs/ckpt --save-every 100      # sharded checkpoints

@@ -10,10 +10,20 @@
    (:func:`~shardlib.parallel.pipeline.partition`); stage ``s`` lives on pp rank ``s % p``;
 4. each pp rank's :class:`~shardlib.parallel.pipeline.Stage` is planned like any module, with
    the whole model's specs, ZeRO over the data axes and tensor parallelism over the tensor axis.
+
+Sequence parallelism (Korthikanti et al., arXiv 2205.05198) over stages follows Megatron: the
+first stage splits the sequence at the whole model's entry (``drop``), every later stage
+receives its sequence shard and passes one on, so a boundary transfer carries
+``(batch / m, seq / tp, hidden)`` per microbatch (the sequence-parallel region simply spans the
+cut: exact, and ``tp`` times fewer bytes than full-sequence transfers); the last stage's output
+layer gathers the sequence. Norm weights and row-layer biases have their gradients summed over
+the tensor axis on every stage. Layouts this cannot make exact are refused (see
+:func:`plan_pipeline`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -134,6 +144,10 @@ class PipelinePlan:
     def data_size(self) -> int:
         return self.whole.data_size
 
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.whole.sequence_parallel
+
     def boundary_bytes(self, tokens: int) -> int | None:
         """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
 
@@ -142,13 +156,15 @@ class PipelinePlan:
                 (``local batch / m * seq``).
 
         Returns:
-            ``tokens * width * element size``; None if the width is unknown.
+            ``tokens / tp * width * element size`` under sequence parallelism (the sequence
+            shard), ``tokens * width * element size`` otherwise; None if the width is unknown.
         """
         if self.activation_width is None:
             return None
         whole = self.whole
+        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
         dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
-        return tokens * self.activation_width * dtype.itemsize
+        return -(-tokens // parts) * self.activation_width * dtype.itemsize
 
     def transfers_per_step(self, rank: int) -> int:
         """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
@@ -181,7 +197,11 @@ class PipelinePlan:
             ranks = [r for r, st in enumerate(self.stages) if any(q.name in names for q in st.params)]
             lines.append(f"  tied across stages: {' = '.join(names)} on pp ranks {ranks}; its gradient is summed over "
                          f"{self.pp_axis!r} every step")
-        shape = "(tokens, width)"
+        if self.sequence_parallel:
+            entry = self.stages[0].sp_entry
+            lines.append(f"sequence parallel over {self.whole.tp_layers[0].axis!r}: stage 0 splits the sequence at "
+                         f"{entry!r}; every boundary transfer carries the sequence shard")
+        shape = "(tokens / tp, width)" if self.sequence_parallel else "(tokens, width)"
         if self.activation_width is None:
             lines.append(f"bytes per boundary transfer: unknown (the model's config gives no width; activations are {shape})")
         elif tokens is None:
@@ -255,7 +275,10 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     Raises:
         ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
             stage; schedule sizes the schedule does not support; fewer layers than stages or
-            bad split points. All before any communication.
+            bad split points; under ``sequence_parallel``, a layout that would not be exact: the
+            entry not on the first stage, an output layer or ``sp_exit`` not on the last, no
+            output layer and no ``sp_exit`` (the output would stay split along the sequence), or
+            a pp rank holding no tensor-parallel layer. All before any communication.
     """
     options = dict(options)
     axis = options.pop("pp_axis", "pp")
@@ -269,11 +292,14 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     modules = [partition(model, r, p, v, split_points) for r in range(p)]
     layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
     sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))
+    sp_fields = _sequence_parallel_per_rank(whole, modules, mesh, axis) if whole.sequence_parallel else None
 
     # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
     exact = {name: pp.spec for pp in whole.params for name in (pp.name,) + pp.aliases}
-    options.pop("logical_axis_rules", None)
+    for key in ("logical_axis_rules", "sp_entry", "sp_exit"):
+        options.pop(key, None)
+    options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))
@@ -283,7 +309,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     for r, stage in enumerate(modules):
         # seen from the rank at pp index r with this rank's other coordinates (this mesh for our own stage)
         view = mesh if r == mesh.index(axis) else AbstractMesh(mesh.shape, rank=mesh.axis_ranks(axis)[r])
-        stages.append(plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options))
+        stage_plan = plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options)
+        stages.append(dataclasses.replace(stage_plan, **sp_fields[r]) if sp_fields else stage_plan)
     return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
                         stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
                         activation_width=_activation_width(model), mesh=mesh)
@@ -309,3 +336,67 @@ def _activation_width(model: torch.nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, axis: str) -> list[dict]:
+    """Each pp rank's share of the whole model's sequence-parallel layout, checked exact.
+
+    Returns, per pp rank, the plan fields: ``sp_entry`` (the whole model's on the first stage's
+    rank, else None: the stage's input arrives as the sequence shard), ``sp_exit`` (on the last
+    stage's rank), ``sp_grad_params`` (the rank's norm weights and row biases).
+    """
+    p = len(modules)
+    n_stages = p * len(modules[0].chunk_paths)
+    mesh_shape = dict(mesh.shape)
+
+    def stage_of(path: str) -> int | None:
+        for s in range(n_stages):
+            if any(path == root or path.startswith(root + ".") for root in modules[s % p].chunk_paths[s // p]):
+                return s
+        return None
+
+    def where(s: int | None) -> str:
+        return "in no stage" if s is None else f"on stage {s} (layers {modules[s % p].chunk_layers[s // p]})"
+
+    given = f"sequence_parallel=True on the pipeline mesh {mesh_shape} ({n_stages} stages over {axis!r})"
+    entry = stage_of(whole.sp_entry)
+    if entry != 0:
+        raise ShardingError(
+            f"{given}: the sequence-parallel entry {whole.sp_entry!r} is {where(entry)}, not on stage 0; the stages "
+            "before it would run norms and dropouts as if on sequence shards. Fix: sp_entry= a module of the first stage "
+            f"({modules[0].chunk_layers[0]}), or split_points= that put {whole.sp_entry!r} in stage 0"
+        )
+    outputs = [layer.path for layer in whole.tp_layers if layer.output_layer] + ([whole.sp_exit] if whole.sp_exit else [])
+    if not outputs:
+        raise ShardingError(
+            f"{given}: nothing gathers the sequence at the end (no column-parallel output layer and no sp_exit), so the last "
+            "stage would return a sequence shard to the loss. Fix: split the LM head (e.g. models.gpt_preset(), whose "
+            "vocabulary-parallel wte is tied to lm_head), or pass sp_exit='<the final norm>' (e.g. 'ln_f')"
+        )
+    for path in outputs:
+        s = stage_of(path)
+        if s != n_stages - 1:
+            raise ShardingError(
+                f"{given}: {path!r} gathers the sequence but is {where(s)}, not on the last stage {n_stages - 1}; the "
+                "stages after it would receive full sequences where shards are expected. Fix: "
+                f"split_points= that keep {path!r} in the last stage, or leave sp_exit unset"
+            )
+    tp_ranks = {s % p for s in map(stage_of, (layer.path for layer in whole.tp_layers)) if s is not None}
+    for r in range(p):
+        if r not in tp_ranks:
+            held = [name for layers in modules[r].chunk_layers for name in layers]
+            raise ShardingError(
+                f"{given}: pp rank {r} holds layers {held} with no tensor-parallel layer, so nothing there splits, "
+                f"gathers or sums over {whole.tp_layers[0].axis!r}. Fix: split_points= that give every stage a block, or "
+                "split its embedding (P('tp', None) on wte.weight, as models.gpt_preset() does)"
+            )
+    fields = []
+    for r, stage in enumerate(modules):
+        names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+        fields.append(dict(
+            sequence_parallel=True,
+            sp_entry=whole.sp_entry if r == 0 else None,
+            sp_exit=whole.sp_exit if r == (n_stages - 1) % p else "",
+            sp_grad_params=tuple(n for n in whole.sp_grad_params if n in names),
+        ))
+    return fields

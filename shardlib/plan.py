@@ -53,7 +53,7 @@ class Plan:
     params: tuple[ParamPlan, ...]
     tp_layers: tuple[TPLayer, ...] = ()
     sequence_parallel: bool = False
-    sp_entry: str = ""
+    sp_entry: str | None = ""  # None: no entry in this module (a pipeline stage after the first: input arrives split)
     sp_exit: str = ""
     sp_grad_params: tuple[str, ...] = ()
     dropout_seed: int = 0

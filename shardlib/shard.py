@@ -187,7 +187,8 @@ class PipelineModule(ShardedModule):
         """Run one step's forwards and backwards over ``microbatches`` microbatches.
 
         Args:
-            x: the local batch ``(B_local, ...)`` (used by the first stage; every rank passes it).
+            x: the local batch ``(B_local, ...)`` (used by the first stage; every rank passes it);
+                under sequence parallelism ``(B_local, T)`` with ``T`` divisible by the tensor axis.
             criterion: ``criterion(output, *labels) -> scalar`` on the last stage (mean over a
                 microbatch); each microbatch's loss is divided by the number of microbatches, so
                 the gradients are those of the mean loss over the local batch.
@@ -199,8 +200,9 @@ class PipelineModule(ShardedModule):
             ``(None, None)``. Gradients are reduced over the data axes when it returns.
 
         Raises:
-            ShardingError: a local batch not divisible by the microbatch count (on every rank,
-                before any communication).
+            ShardingError: a local batch not divisible by the microbatch count, or under
+                sequence parallelism a sequence length not divisible by the tensor axis (on every
+                rank, before any communication).
         """
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
 

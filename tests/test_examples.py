@@ -12,9 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_gpt(tmp_path, *extra):
+def _train_gpt(tmp_path, *extra, nproc=2):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         str(ROOT / "examples" / "train_gpt.py"),
         "--zero-stage", "3", "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--batch-size", "4",
         "--block-size", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--sample", "0", *extra,
@@ -40,3 +40,15 @@ def test_train_gpt_under_torchrun_with_check_and_resume(tmp_path):
     straight, resumed = json.loads(log.read_text())["history"], json.loads(log2.read_text())["history"]
     keys = ("step", "train_loss", "val_loss")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in straight]
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_pipeline_x_sequence_parallel_prints_the_pipeline_plan(tmp_path):
+    """--mesh pp=2,tp=2 --sequence-parallel trains, prints the pipeline plan (not the whole model's),
+    and its losses agree with one process (--check exits 1 past its 1e-4 tolerance)."""
+    out = _train_gpt(tmp_path, "--mesh", "pp=2,tp=2", "--sequence-parallel", "--zero-stage", "1", "--microbatches", "2",
+                     "--n-layer", "2", "--check", "4", nproc=4)
+    assert "Pipeline over 'pp' (2 ranks x 1 chunks = 2 stages), schedule 1f1b, 2 microbatches" in out
+    assert "every boundary transfer carries the sequence shard" in out
+    assert "bytes per boundary transfer: 4,096 (64 tokens per microbatch" in out  # 2 rows x 32, half of 64 x 32 x 4 B
+    assert "stage plan of pp rank 1" in out and "max relative loss difference" in out

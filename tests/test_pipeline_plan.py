@@ -1,4 +1,5 @@
-"""The pipeline plan: plan() on a pp mesh is what shard() applies."""
+"""The pipeline plan: plan() on a pp mesh is what shard() applies, and sequence parallelism over
+stages is refused where it would not be exact (every rank, before any communication)."""
 
 import pickle
 
@@ -6,13 +7,14 @@ import pytest
 import torch
 
 import shardlib
-from shardlib import AbstractMesh, ShardingError
-from shardlib.models import GPT, GPTConfig
+from shardlib import AbstractMesh, P, ShardingError
+from shardlib.models import GPT, GPTConfig, gpt_preset, tp_specs
 from shardlib.parallel.schedules import bubble_fraction
 from shardlib.pipeline_plan import PipelinePlan
 from shardlib.testing import run_on
 
 PP2_DP2 = AbstractMesh({"pp": 2, "dp": 2})
+PP2_TP2 = AbstractMesh({"pp": 2, "tp": 2})
 
 
 def _gpt(layers=4):
@@ -91,3 +93,70 @@ def test_pipeline_options_without_a_pipeline_axis():
     with pytest.raises(ShardingError, match="option microbatches=4 needs a pipeline axis 'pp'"):
         shardlib.plan(_gpt(), AbstractMesh({"dp": 2, "pp": 1}), microbatches=4)
     assert isinstance(shardlib.plan(_gpt(), AbstractMesh({"dp": 2, "pp": 1})), shardlib.Plan)  # pp of size 1: no pipeline
+
+
+SP = dict(sequence_parallel=True, schedule="1f1b", microbatches=2)
+REFUSED = [
+    (dict(specs=tp_specs()), ["sequence_parallel=True on the pipeline mesh {'pp': 2, 'tp': 2}", "nothing gathers the sequence",
+                              "no column-parallel output layer and no sp_exit", "Fix: split the LM head"]),
+    (dict(specs=gpt_preset().specs, sp_entry="blocks.2"), ["entry 'blocks.2' is on stage 1", "not on stage 0",
+                                                            "Fix: sp_entry= a module of the first stage"]),
+    (dict(specs=tp_specs(), sp_exit="blocks.1"), ["'blocks.1' gathers the sequence but is on stage 0", "not on the last stage 1",
+                                                  "Fix: split_points="]),
+    (dict(specs=tp_specs(), sp_exit="ln_f", split_points=["blocks.0"]),
+     ["pp rank 0 holds layers ['embed'] with no tensor-parallel layer", "Fix: split_points= that give every stage a block"]),
+]
+
+
+@pytest.mark.parametrize("given,parts", REFUSED)
+def test_sequence_parallel_over_stages_refused_where_not_exact(given, parts):
+    import re
+
+    given = dict(given)
+    specs = given.pop("specs")
+    with pytest.raises(ShardingError, match=".*".join(re.escape(p) for p in parts)):
+        shardlib.plan(_gpt(), PP2_TP2, specs, **SP, **given)
+
+
+def test_sequence_parallel_allowed_layouts():
+    """The exit on the last stage (a replicated LM head after ln_f's gather); the embedding stage
+    alone when its embedding is vocabulary parallel; the entry fields per rank."""
+    pplan = shardlib.plan(_gpt(), PP2_TP2, tp_specs(), sp_exit="ln_f", **SP)
+    assert [s.sp_exit for s in pplan.stages] == ["", "ln_f"] and [s.sp_entry for s in pplan.stages] == ["drop", None]
+    pplan = shardlib.plan(_gpt(), PP2_TP2, gpt_preset().specs, split_points=["blocks.0"], **SP)
+    assert pplan.stage_layers[0] == ("embed",) and [layer.kind for layer in pplan.stages[0].tp_layers] == ["vocab"]
+    assert pplan.stages[0].sp_grad_params == () and "ln_f.weight" in pplan.stages[1].sp_grad_params
+    assert "sequence parallel over 'tp': stage 0 splits the sequence at 'drop'" in pplan.explain(tokens=16)
+    assert pplan.boundary_bytes(16) == 8 * 16 * 4
+
+
+def test_hugging_face_models_have_no_pipeline_path():
+    transformers = pytest.importorskip("transformers")
+    from shardlib.models import llama_preset
+
+    cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    with pytest.raises(ShardingError, match="LlamaForCausalLM is not an nn.Sequential and has no pipeline_layers.*Hugging Face"):
+        shardlib.plan(transformers.LlamaForCausalLM(cfg), PP2_TP2, llama_preset().specs, **SP)
+
+
+def _refused_on_every_rank(case):
+    mesh = shardlib.init_mesh({"pp": 2, "tp": 2})
+    if case == "plan":
+        shardlib.shard(_gpt(), mesh, tp_specs(), **SP)
+    smodel = shardlib.shard(_gpt(), mesh, gpt_preset().specs, **SP)
+    x = torch.randint(0, 37, (4, 8))  # a sequence of 7 does not split over tp=2
+    mesh.comm.reset()
+    try:
+        smodel.forward_backward(x[:, :-1], criterion=_ce, labels=(x[:, 1:],))
+    finally:
+        assert not mesh.comm.calls("pp", "send")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case,words", [("plan", "nothing gathers the sequence"), ("run", "sequence length divisible by 2")])
+def test_sequence_parallel_refusals_on_every_rank(case, words):
+    with pytest.raises(shardlib.WorkerError) as err:
+        run_on(4, _refused_on_every_rank, case)
+    assert set(err.value.errors) == {0, 1, 2, 3}
+    assert all(t == "ShardingError" and words in m for t, m in err.value.errors.values())
