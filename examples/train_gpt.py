@@ -3,6 +3,7 @@
 Launch:
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py             # ZeRO-3 over dp=4
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh dp=2,tp=2
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --mesh pp=2,tp=2 --sequence-parallel
     python examples/train_gpt.py --mesh dp=1                                  # one process
     torchrun ... examples/train_gpt.py --data path/to/plays --val-files hamlet.txt,tempest.txt  # your own text
     torchrun ... examples/train_gpt.py --ckpt-dir runs/ckpt --save-every 100      # sharded checkpoints
@@ -264,16 +265,16 @@ def main(argv=None) -> int:
         print(f"model: {model.num_params():,} parameters, mesh {mesh.shape}, ZeRO stage {args.zero_stage}")
     options = dict(zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel, dropout_seed=args.seed)
     pipelined = mesh.shape.get("pp", 1) > 1
-    plan = shardlib.plan(model, mesh, specs, **options)  # checked on every rank
+    if pipelined:  # stages over pp, each sharded over the other axes
+        options.update(schedule=args.schedule, microbatches=args.microbatches)
+    plan = shardlib.plan(model, mesh, specs, **options)  # checked on every rank; a PipelinePlan on a pp mesh
     if args.batch_size % plan.data_size:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data axes "
                          f"{plan.data_axes} ({plan.data_size} ranks)")
-    if is_main:  # tokens per micro-batch on one rank, for the tensor-parallel activation traffic
-        print(plan.explain(tokens=args.batch_size // plan.data_size * args.block_size))
-    if pipelined:  # stages over pp, each sharded over the other axes
-        smodel = shardlib.shard(model, mesh, specs, schedule=args.schedule, microbatches=args.microbatches, **options)
-    else:
-        smodel = plan.apply(model)  # == shardlib.shard(model, mesh, specs, **options)
+    if is_main:  # tokens per micro-batch on one rank, for the tensor-parallel and pipeline traffic
+        local_rows = args.batch_size // plan.data_size
+        print(plan.explain(tokens=(local_rows // args.microbatches if pipelined else local_rows) * args.block_size))
+    smodel = plan.apply(model)  # == shardlib.shard(model, mesh, specs, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=args.grad_clip or None,
                                  **optimizer_kwargs(args))
 

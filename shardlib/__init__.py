@@ -30,6 +30,7 @@ from .parallel import (
 )
 from .parallel.offload import activation_offload
 from .plan import ChunkPlan, ParamPlan, Plan, plan
+from .pipeline_plan import PipelinePlan
 from .shard import (
     PipelineModule,
     ShardedModule,
@@ -84,6 +85,7 @@ __all__ = [
     "distribute",
     "plan",
     "Plan",
+    "PipelinePlan",
     "ParamPlan",
     "ChunkPlan",
     "shard",

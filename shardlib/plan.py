@@ -21,12 +21,14 @@ import torch
 
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
+from .lowering import lower
 from .options import DEFAULT_CHUNK_SIZE, check_options
+from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
 from .spec import PartitionSpec, resolve_specs
 
-__all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHUNK_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Plan:
     params: tuple[ParamPlan, ...]
     tp_layers: tuple[TPLayer, ...] = ()
     sequence_parallel: bool = False
-    sp_entry: str = ""
+    sp_entry: str | None = ""  # None: no entry in this module (a pipeline stage after the first: input arrives split)
     sp_exit: str = ""
     sp_grad_params: tuple[str, ...] = ()
     dropout_seed: int = 0
@@ -240,25 +242,27 @@ class Plan:
         return self.explain()
 
     def apply(self, model: torch.nn.Module):
-        """Shard ``model`` as planned (``shard(model, mesh, specs, **options)`` is this)."""
-        from .shard import ShardedModule
-
+        """Shard ``model`` as planned (``shard(model, mesh, specs, **options)`` is this): a
+        :class:`~shardlib.ShardedModule`, through the lowering :mod:`shardlib.shard` registers."""
         if self.mesh is None or not hasattr(self.mesh, "group"):
             raise ShardingError(
                 "this plan was made on an AbstractMesh (or unpickled) and cannot move tensors; "
                 "make it with a Mesh from init_mesh() to apply it"
             )
-        return ShardedModule(model, self)
+        return lower(self, model)
 
 
 def _rebuild_plan(state):
     return Plan(**state)
 
 
-def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan:
+def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan | PipelinePlan:
     """Check ``specs`` against ``mesh`` and ``model`` and decide every parameter's layout.
 
-    Moves nothing and communicates nothing; deterministic, so every rank gets the same plan.
+    Moves nothing and communicates nothing; deterministic, so every rank gets the same plan. On
+    a mesh with a pipeline axis (``pp``) of size > 1 the result is a
+    :class:`~shardlib.pipeline_plan.PipelinePlan`: the stages, each with its own plan (as below,
+    over the other axes), and the schedule; otherwise a :class:`Plan`.
 
     Args:
         model: the module to shard (on CPU or CUDA, or wholly on the meta device with init rules).
@@ -313,9 +317,15 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             sequence parallelism), over that axis; they are then added into the master-dtype
             gradient shard. Default: the master dtype (fp32 reduction; unlike FSDP2, whose
             default is ``param_dtype``). Use :class:`~shardlib.GradScaler` with ``float16``.
+        pp_axis: the pipeline axis (default ``pp``). With it of size > 1 in the mesh, the pipeline
+            options are ``schedule`` (``"gpipe"``, GPipe arXiv 1811.06965; ``"1f1b"``, the
+            default, PipeDream-flush; ``"interleaved_1f1b"``, both arXiv 2104.04473),
+            ``microbatches`` (default the pipeline size), ``virtual_stages`` (model chunks per
+            rank, default 1) and ``split_points`` (the layers starting stages 1, 2, ...; default
+            balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
 
     Returns:
-        The :class:`Plan`.
+        The :class:`Plan`, or a :class:`~shardlib.pipeline_plan.PipelinePlan` on a pipeline mesh.
 
     Raises:
         ShardingError: an unknown option; a zero_stage outside 0-3; an unknown or repeated data
@@ -325,7 +335,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             that nothing uses; a pattern matching no
             parameter; conflicting specs on a tied parameter; a parameter on the meta device with
             no init rule (or a model only partly on meta); an ``offload_ratio`` outside [0, 1];
-            a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``.
+            a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
+            pipeline option without a pipeline axis; the pipeline checks of
+            :func:`~shardlib.pipeline_plan.plan_pipeline`.
 
     Example:
         >>> from shardlib.mesh import AbstractMesh
@@ -333,6 +345,17 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         >>> p.param("weight").strategy, p.param_bytes
         ('zero-3', 32)
     """
+    if pipeline_axis(mesh, options) is not None:
+        return plan_pipeline(model, mesh, specs, options, plan_module)
+    check_no_pipeline_options(mesh, options)
+    return plan_module(model, mesh, specs, **options)
+
+
+def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Plan:
+    """The :class:`Plan` of one module (no pipeline): what :func:`plan` returns on a mesh without
+    a pipeline axis, and what :func:`~shardlib.pipeline_plan.plan_pipeline` makes of the whole
+    model and of each stage. Arguments, options and errors as :func:`plan` (less the pipeline
+    options)."""
     mesh_shape = dict(mesh.shape)
     opts = check_options(options, mesh_shape)
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states

@@ -16,6 +16,8 @@ from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
+from .lowering import register_lowering
+from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
 from .state_names import StateName, model_state_names, persistent_buffers
 
@@ -164,46 +166,54 @@ class ShardedModule(nn.Module):
         return f"zero_stage={self.plan.zero_stage}, data_axes={self.plan.data_axes}, mesh={dict(self.plan.mesh_shape)}"
 
 
-_PIPELINE_OPTIONS = ("pp_axis", "schedule", "microbatches", "virtual_stages", "split_points")
-
-
 class PipelineModule(ShardedModule):
     """This rank's pipeline stage(s), sharded, with the schedule that runs them.
 
-    Built by :func:`shard` when the mesh has a pipeline axis (``pp``) of size > 1. Train with
-    :meth:`forward_backward`; the optimizer is :class:`~shardlib.ZeroOptimizer` as usual.
+    Built by :func:`shard` (``PipelinePlan.apply``) when the mesh has a pipeline axis (``pp``) of
+    size > 1. Train with :meth:`forward_backward`; the optimizer is
+    :class:`~shardlib.ZeroOptimizer` as usual.
+
+    Attributes:
+        pipeline_plan: the :class:`~shardlib.pipeline_plan.PipelinePlan` applied.
+        plan: this rank's stage plan (``pipeline_plan.stages[pp index]``).
+        stage_layers, stage_bytes: every stage's layer names and unsharded parameter bytes.
     """
 
-    def __init__(self, stage: nn.Module, plan: Plan, pipeline: dict, tied: list):
+    def __init__(self, stage: nn.Module, pplan: PipelinePlan):
         from .parallel.pipeline import PipelineRunner
 
-        super().__init__(stage, plan)
-        self.pp_axis = pipeline["pp_axis"]
+        rank = pplan.mesh.index(pplan.pp_axis)
+        super().__init__(stage, pplan.stages[rank])
+        self.pipeline_plan = pplan
+        self.pp_axis = pplan.pp_axis
+        whole = pplan.whole
         params = dict(stage.named_parameters(remove_duplicate=False))  # names survive the lowering
-        mine = [(names[0], next((params[n] for n in names if n in params), None), numel, dtype)
-                for names, numel, dtype, _ in tied]
-        self.tied = [t[0][0] for t in tied]
-        rank = plan.mesh.index(pipeline["pp_axis"])
+        mine = []  # (name, this rank's parameter or None, local elements, gradient dtype), one order everywhere
+        for names, _ in pplan.tied:
+            pp = whole.param(names[0])
+            dtype = whole.reduce_dtype if whole.reduce_dtype is not None else pp.dtype  # the local gradient's dtype
+            mine.append((names[0], next((params[n] for n in names if n in params), None),
+                         int(np.prod(whole.local_shape(pp))), dtype))
+        self.tied = [names[0] for names, _ in pplan.tied]
         # a tied parameter's second copy is left out of the global gradient norm
-        self.norm_duplicates = [prm for (name, prm, _, _), (_, _, _, first) in zip(mine, tied) if prm is not None and rank != first]
-        self.runner = PipelineRunner(self, plan.mesh, self.pp_axis, pipeline["schedule"], pipeline["microbatches"],
-                                     pipeline["virtual_stages"], mine)
-        self.schedule = pipeline["schedule"]
-        self.stage_layers = pipeline["stage_layers"]
-        self.stage_bytes = pipeline["stage_bytes"]
-        self._model_state_names = pipeline["model_state_names"]
+        self.norm_duplicates = [prm for (_, prm, _, _), (_, first) in zip(mine, pplan.tied) if prm is not None and rank != first]
+        self.runner = PipelineRunner(self, pplan.mesh, self.pp_axis, pplan.schedule, pplan.m, pplan.v, mine)
+        self.schedule = pplan.schedule
+        self.stage_layers = [list(layers) for layers in pplan.stage_layers]
+        self.stage_bytes = list(pplan.stage_param_bytes)
 
     @property
     def model_state_names(self) -> tuple[StateName, ...]:
-        """Every stage's parameters and persistent buffers (computed at shard time from the whole
+        """Every stage's parameters and persistent buffers (computed at plan time from the whole
         model), the same on every rank: what a checkpoint load checks against."""
-        return self._model_state_names
+        return self.pipeline_plan.state_names
 
     def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
         """Run one step's forwards and backwards over ``microbatches`` microbatches.
 
         Args:
-            x: the local batch ``(B_local, ...)`` (used by the first stage; every rank passes it).
+            x: the local batch ``(B_local, ...)`` (used by the first stage; every rank passes it);
+                under sequence parallelism ``(B_local, T)`` with ``T`` divisible by the tensor axis.
             criterion: ``criterion(output, *labels) -> scalar`` on the last stage (mean over a
                 microbatch); each microbatch's loss is divided by the number of microbatches, so
                 the gradients are those of the mean loss over the local batch.
@@ -215,30 +225,29 @@ class PipelineModule(ShardedModule):
             ``(None, None)``. Gradients are reduced over the data axes when it returns.
 
         Raises:
-            ShardingError: a local batch not divisible by the microbatch count (on every rank,
-                before any communication).
+            ShardingError: a local batch not divisible by the microbatch count, or under
+                sequence parallelism a sequence length not divisible by the tensor axis (on every
+                rank, before any communication).
         """
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
 
     def explain(self, tokens: int | None = None) -> str:
-        """The pipeline: stages (layers, parameter bytes), the schedule as a step-by-rank grid,
-        the theoretical bubble and peak stashed microbatches per rank, the bytes sent per
-        microbatch boundary (after a step), then this stage's sharding plan."""
-        from .parallel.schedules import bubble_fraction, build_schedule, format_grid, simulate
+        """The pipeline plan's summary (stages, bytes per pp rank, bubble, peak stashed
+        microbatches), the bytes sent per boundary transfer (measured, after a step), the
+        schedule as a step-by-rank grid, then this stage's sharding plan.
 
-        r = self.runner
-        sim = simulate(build_schedule(self.schedule, r.p, r.m, r.v))
-        lines = [f"Pipeline over {self.pp_axis!r} ({r.p} ranks x {r.v} chunks = {r.n_stages} stages), schedule "
-                 f"{self.schedule}, {r.m} microbatches; bubble (p-1)/(vm+p-1) = {bubble_fraction(r.p, r.m, r.v):.3f}; "
-                 f"peak stashed microbatches per rank {sim.peak_stash}"]
-        for s, layers in enumerate(self.stage_layers):
-            lines.append(f"  stage {s} on rank {s % r.p}: {', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''} "
-                         f"({len(layers)} layers, {self.stage_bytes[s]:,} parameter bytes)")
+        Args:
+            tokens: tokens in one microbatch on one rank, for the predicted transfer bytes.
+        """
+        from .parallel.schedules import format_grid
+
+        pplan = self.pipeline_plan
+        lines = [pplan.summary(tokens)]
         if self.mesh.comm.calls(self.pp_axis, "send"):
             sent = self.mesh.comm.bytes(self.pp_axis, "send") / self.mesh.comm.calls(self.pp_axis, "send")
             lines.append(f"  bytes per boundary transfer (measured mean): {sent:,.0f}")
         lines.append("schedule (forward F, backward B; stage, kind, microbatch):")
-        lines.append(format_grid(sim))
+        lines.append(format_grid(pplan.simulation))
         lines.append("this rank's stage:")
         lines.append(self.plan.explain(tokens))
         return "\n".join(lines)
@@ -255,52 +264,20 @@ class PipelineModule(ShardedModule):
         return self.runner.timeline
 
 
-def _shard_pipeline(model: nn.Module, mesh: Any, specs: Any, options: dict) -> PipelineModule:
-    from .parallel.pipeline import partition
-    from .parallel.schedules import build_schedule
-    from .spec import resolve_specs
+@register_lowering(Plan)
+def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
+    return ShardedModule(model, plan)
 
-    axis = options.pop("pp_axis", "pp")
-    pipeline = {
-        "pp_axis": axis,
-        "schedule": options.pop("schedule", "1f1b"),
-        "microbatches": options.pop("microbatches", mesh.size(axis)),
-        "virtual_stages": options.pop("virtual_stages", 1),
-    }
-    split_points = options.pop("split_points", None)
-    build_schedule(pipeline["schedule"], mesh.size(axis), pipeline["microbatches"], pipeline["virtual_stages"])  # checks
-    full = plan(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
-    stages = [partition(model, r, mesh.size(axis), pipeline["virtual_stages"], split_points) for r in range(mesh.size(axis))]
-    owners: dict[int, set[int]] = {}
-    for r, stage in enumerate(stages):
-        for prm in stage.parameters():
-            owners.setdefault(id(prm), set()).add(r)
-    tied = []
-    for pp in full.params:
-        prm = model.get_parameter(pp.name)
-        if len(owners.get(id(prm), ())) > 1 and pp.requires_grad:
-            dtype = full.reduce_dtype if full.reduce_dtype is not None else pp.dtype  # the local gradient's dtype
-            tied.append(((pp.name,) + pp.aliases, int(np.prod(full.local_shape(pp))), dtype, min(owners[id(prm)])))
-    pipeline["stage_layers"], pipeline["stage_bytes"] = [], []
-    for s in range(mesh.size(axis) * pipeline["virtual_stages"]):
-        st = stages[s % mesh.size(axis)]
-        layers = st._chunks[s // mesh.size(axis)]
-        pipeline["stage_layers"].append([name for name, _ in layers])
-        pipeline["stage_bytes"].append(st.chunk_bytes[s // mesh.size(axis)])
-    held = {name for st in stages for name, _ in st.named_parameters(remove_duplicate=False)}
-    pipeline["model_state_names"] = model_state_names(full.params, stages, held)
-    stage = stages[mesh.index(axis)]
-    # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
-    # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
-    exact = {name: pp.spec for pp in full.params for name in (pp.name,) + pp.aliases}
-    options.pop("logical_axis_rules", None)
-    if full.init_rules:  # meta-built: each stage takes the whole model's rule under every name
-        by_name = dict(full.init_rules)  # a rule ending in a name draws from that name's stream
-        rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))
-                 for pp in full.params for alias in (pp.name,) + pp.aliases}
-        options["init_rules"] = lambda name, _, rules=rules: rules.get(name)
-    stage_plan = plan(stage, mesh, exact, pp_axis=axis, strict_specs=False, **options)
-    return PipelineModule(stage, stage_plan, pipeline, tied)
+
+@register_lowering(PipelinePlan)
+def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
+    """Cut ``model`` where the plan cut it, keep this rank's stage, shard it by its stage plan."""
+    from .parallel.pipeline import partition
+
+    rank = pplan.mesh.index(pplan.pp_axis)
+    stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))
+    assert [tuple(c) for c in stage.chunk_layers] == list(pplan.stage_layers[rank::pplan.p]), "stage differs from its plan"
+    return PipelineModule(stage, pplan)
 
 
 def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> ShardedModule:
@@ -310,10 +287,13 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         model: the module; modified in place (its parameters move into flat ZeRO chunks).
         mesh: a :class:`~shardlib.Mesh` from :func:`~shardlib.init_mesh`.
         specs: glob pattern -> PartitionSpec rules, see :func:`~shardlib.plan`.
-        **options: ``zero_stage``, ``data_axes``, ``chunk_size``, ... see :func:`~shardlib.plan`.
+        **options: ``zero_stage``, ``data_axes``, ``chunk_size``, ... and, on a mesh with a
+            ``pp`` axis, ``schedule``, ``microbatches``, ``virtual_stages``, ``split_points``;
+            see :func:`~shardlib.plan`.
 
     Returns:
-        A :class:`ShardedModule` with the call signature of ``model``.
+        A :class:`ShardedModule` with the call signature of ``model``; on a pipeline mesh a
+        :class:`PipelineModule` (this rank's stage, run by ``forward_backward``).
 
     Raises:
         ShardingError: every check of :func:`~shardlib.plan`, on every rank, before any
@@ -326,12 +306,6 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         >>> smodel(torch.ones(3, 4)).shape
         torch.Size([3, 2])
     """
-    axis = options.get("pp_axis", "pp")
-    if axis in mesh.shape and mesh.shape[axis] > 1:
-        return _shard_pipeline(model, mesh, specs, dict(options))
-    for key in _PIPELINE_OPTIONS[1:]:
-        if key in options:
-            raise ShardingError(f"option {key!r} needs a pipeline axis {axis!r} of size > 1 in the mesh {dict(mesh.shape)}")
     return plan(model, mesh, specs, **options).apply(model)
 
 

@@ -12,10 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_gpt(tmp_path, *extra, fails=False):
-    """Run the job on 2 ranks; its stdout, or with ``fails`` its stdout and stderr (it must fail)."""
+def _train_gpt(tmp_path, *extra, fails=False, nproc=2):
+    """Run the job on ``nproc`` ranks; its stdout, or with ``fails`` its stdout and stderr (it must fail)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         str(ROOT / "examples" / "train_gpt.py"),
         "--zero-stage", "3", "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--batch-size", "4",
         "--block-size", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--sample", "0", *extra,
@@ -52,3 +52,15 @@ def test_train_gpt_under_torchrun_with_check_and_resume(tmp_path):
     assert "resumed from" not in out and "CheckpointError" in out
     assert "does not fit GPT: 16 of its entries are in no rank's part of the model: blocks.1." in out
     assert "pass strict=False" in out
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_pipeline_x_sequence_parallel_prints_the_pipeline_plan(tmp_path):
+    """--mesh pp=2,tp=2 --sequence-parallel trains, prints the pipeline plan (not the whole model's),
+    and its losses agree with one process (--check exits 1 past its 1e-4 tolerance)."""
+    out = _train_gpt(tmp_path, "--mesh", "pp=2,tp=2", "--sequence-parallel", "--zero-stage", "1", "--microbatches", "2",
+                     "--n-layer", "2", "--check", "4", nproc=4)
+    assert "Pipeline over 'pp' (2 ranks x 1 chunks = 2 stages), schedule 1f1b, 2 microbatches" in out
+    assert "every boundary transfer carries the sequence shard" in out
+    assert "bytes per boundary transfer: 4,096 (64 tokens per microbatch" in out  # 2 rows x 32, half of 64 x 32 x 4 B
+    assert "stage plan of pp rank 1" in out and "max relative loss difference" in out

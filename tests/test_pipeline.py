@@ -48,6 +48,7 @@ def _pipeline_worker(shape, layers, options, rows, clip):
         opt.zero_grad()
     out["params"] = shardlib.full_state_dict(smodel)
     out["last_stage"] = losses is not None
+    out["sent"] = mesh.comm.bytes(smodel.pp_axis, "send") / max(mesh.comm.calls(smodel.pp_axis, "send"), 1)
     out["timeline"] = smodel.timeline
     return out
 
@@ -132,6 +133,31 @@ def test_pipeline_x_data_x_tensor_parallel_on_8_ranks():
 
     _check({"pp": 2, "dp": 2, "tp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1,
                                            "specs": gpt_preset().specs}, clip=0.05)
+
+
+SP_CASES = [
+    ({"pp": 2, "tp": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1}),
+    ({"pp": 2, "tp": 2}, {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2}),
+    ({"pp": 2, "dp": 2, "tp": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
+]
+
+
+@pytest.mark.parametrize("shape,options", SP_CASES)
+def test_pipeline_x_sequence_parallel_equals_single_process(shape, options):
+    """Megatron's layout over stages (arXiv 2205.05198): stage 0 splits the sequence at ``drop``,
+    the boundary transfers carry the sequence shard, the last stage's LM head gathers it; norm
+    weights summed over tp on every stage. Losses, gradients, the clipped global norm and the
+    parameters after 3 AdamW steps equal one process; each transfer is the predicted shard."""
+    from shardlib.mesh import AbstractMesh
+    from shardlib.models import gpt_preset
+
+    options = {**options, "specs": gpt_preset().specs, "sequence_parallel": True}
+    results = _check(shape, 4, options, clip=0.05)
+    planned = shardlib.plan(GPT(_config(4)), AbstractMesh(shape), gpt_preset().specs, sequence_parallel=True,
+                            **{k: v for k, v in options.items() if k not in ("specs", "sequence_parallel")})
+    tokens = 8 // shape.get("dp", 1) // options["microbatches"] * 8  # rows per microbatch x sequence
+    assert planned.boundary_bytes(tokens) == tokens // 2 * 16 * 4  # the shard: half the sequence
+    assert all(r["sent"] == planned.boundary_bytes(tokens) for r in results)
 
 
 def test_pipeline_option_errors():

@@ -14,6 +14,10 @@ divided by the number of microbatches, so the accumulated gradients are those of
 over the whole local batch, as without a pipeline. Gradients are reduced over the data axes once
 per step, after the last backward; parameters shared by stages on different ranks (a tied
 embedding and LM head) have their gradients summed over ``pp`` first, so the copies stay equal.
+
+Under sequence parallelism (arXiv 2205.05198) the first stage splits the sequence at the model's
+entry and every transfer carries a microbatch's sequence shard ``(batch / m, seq / tp, hidden)``
+between ranks of the same tensor coordinate (:mod:`shardlib.pipeline_plan` plans and checks it).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ def pipeline_layers(model: nn.Module) -> list:
         return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model.named_children()]
     raise ShardingError(
         f"pipeline parallelism needs the forward pass as ordered layers: {type(model).__name__} is not an nn.Sequential "
-        "and has no pipeline_layers() method (see shardlib.models.GPT.pipeline_layers)"
+        "and has no pipeline_layers() method (Hugging Face models have none: shardlib has no pipeline path for them). "
+        "Fix: give the model a pipeline_layers() method (see shardlib.models.GPT.pipeline_layers), or drop the pp axis"
     )
 
 
@@ -59,6 +64,8 @@ class Stage(nn.Module):
     def __init__(self, chunks: list[list]):
         super().__init__()
         self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
+        self.chunk_layers = [[name for name, _, _ in layers] for layers in chunks]  # layer names of each chunk
+        self.chunk_paths = [[path for _, mods, _ in layers for path in mods] for layers in chunks]  # module paths
         self.chunk_bytes = []  # parameter bytes of each chunk, a shared tensor counted once
         for layers in chunks:
             unique = {id(p): p for _, mods, _ in layers for m in mods.values() for p in m.parameters()}
@@ -195,6 +202,16 @@ class PipelineRunner:
                 f"forward_backward: the local batch of {x.shape[0]} rows (labels {[tuple(y.shape) for y in labels]}) "
                 f"does not split into {m} equal microbatches. Fix: a local batch divisible by {m}"
             )
+        plan = self.smodel.plan
+        if plan.sequence_parallel:  # every rank, before any transfer (the split itself is on the first stage)
+            axis = plan.tp_layers[0].axis
+            n = self.mesh.size(axis)
+            if x.dim() < 2 or x.shape[1] % n:
+                raise ShardingError(
+                    f"forward_backward: sequence_parallel splits the sequence (dim 1 of the local batch, shape "
+                    f"{tuple(x.shape)}) over {axis!r} (size {n}), and every stage passes on its shard, but the length "
+                    f"does not divide by {n} (mesh {self.mesh.shape}). Fix: use a sequence length divisible by {n}"
+                )
         last = self.n_stages - 1
         if criterion is None and any(a.stage == last for a in self.actions):
             raise ShardingError("forward_backward: the last stage needs criterion=, a function (output, *labels) -> loss")

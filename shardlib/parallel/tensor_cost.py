@@ -78,8 +78,10 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
             out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
     if sp and plan.tp_layers:
         a = plan.tp_layers[0].axis
-        hidden = next(layer.in_features for layer in plan.tp_layers if layer.kind == "column")
-        out.append(TPCollective(plan.sp_entry, "backward", "all_gather", a, hidden))
+        hidden = next((layer.in_features for layer in plan.tp_layers if layer.kind == "column"),
+                      plan.tp_layers[0].out_features)  # a pipeline stage of embeddings only: their width
+        if plan.sp_entry is not None:  # None: a pipeline stage whose input arrives split
+            out.append(TPCollective(plan.sp_entry, "backward", "all_gather", a, hidden))
         if plan.sp_exit:
             out += [TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden),
                     TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden)]

@@ -9,7 +9,8 @@ Lowering (after :mod:`tensor_rules` decided the roles):
    ``pvary`` (or one sequence all-gather) applied in a forward pre-hook of the parent, so the
    backward does one all-reduce per group, as Megatron's fused QKV does;
 3. with ``sequence_parallel``: the input of ``plan.sp_entry`` (GPT-2's embedding dropout
-   ``drop``, or LLaMA's first decoder layer) is split along the sequence; norm weights and
+   ``drop``, or LLaMA's first decoder layer) is split along the sequence (a pipeline stage
+   after the first has no entry: it receives the sequence shard); norm weights and
    row-layer biases get their gradient summed over the tensor axis.
 """
 
@@ -114,9 +115,11 @@ def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) 
             )
         return t
 
-    entry = model.get_submodule(plan.sp_entry)
-    split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
-    hooks = [entry.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True)]
+    hooks = []
+    if plan.sp_entry is not None:  # None: a pipeline stage after the first, whose input arrives split
+        entry = model.get_submodule(plan.sp_entry)
+        split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
+        hooks.append(entry.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True))
     if plan.sp_exit:
         gather = lambda m, a, out: all_gather(out, axis, 1, mesh=mesh)  # noqa: E731
         hooks.append(model.get_submodule(plan.sp_exit).register_forward_hook(gather))

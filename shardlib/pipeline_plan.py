@@ -1,0 +1,413 @@
+"""The plan of a pipeline: stages over the ``pp`` axis, each with its own sharding plan, and a schedule.
+
+:func:`plan_pipeline` is what :func:`shardlib.plan` does on a mesh with a pipeline axis of size
+> 1, and what :func:`shardlib.shard` applies, so the printed plan and the run cannot drift:
+
+1. the schedule's sizes are checked (:func:`~shardlib.parallel.schedules.build_schedule`);
+2. the whole model is planned (every check, and the layout each stage follows: a tied tensor
+   keeps one layout on every stage, under either name);
+3. the layers (``model.pipeline_layers()``) are cut into ``p * v`` stages
+   (:func:`~shardlib.parallel.pipeline.partition`); stage ``s`` lives on pp rank ``s % p``;
+4. each pp rank's :class:`~shardlib.parallel.pipeline.Stage` is planned like any module, with
+   the whole model's specs, ZeRO over the data axes and tensor parallelism over the tensor axis.
+
+Sequence parallelism (Korthikanti et al., arXiv 2205.05198) over stages follows Megatron: the
+first stage splits the sequence at the whole model's entry (``drop``), every later stage
+receives its sequence shard and passes one on, so a boundary transfer carries
+``(batch / m, seq / tp, hidden)`` per microbatch (the sequence-parallel region simply spans the
+cut: exact, and ``tp`` times fewer bytes than full-sequence transfers); the last stage's output
+layer gathers the sequence. Norm weights and row-layer biases have their gradients summed over
+the tensor axis on every stage. Layouts this cannot make exact are refused (see
+:func:`plan_pipeline`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .errors import ShardingError
+from .lowering import lower
+from .mesh.mesh import AbstractMesh
+from .parallel.pipeline import Stage, partition
+from .parallel.schedules import Simulation, bubble_fraction, build_schedule, format_grid, simulate
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["PipelinePlan", "plan_pipeline", "pipeline_axis", "check_no_pipeline_options", "PIPELINE_OPTIONS"]
+
+PIPELINE_OPTIONS = ("schedule", "microbatches", "virtual_stages", "split_points")
+
+
+def pipeline_axis(mesh: Any, options: dict) -> str | None:
+    """The pipeline axis (option ``pp_axis``, default ``"pp"``) if ``mesh`` has it with size > 1."""
+    axis = options.get("pp_axis", "pp")
+    return axis if isinstance(axis, str) and dict(mesh.shape).get(axis, 1) > 1 else None
+
+
+def check_no_pipeline_options(mesh: Any, options: dict) -> None:
+    """Refuse pipeline options on a mesh without a pipeline axis of size > 1.
+
+    Raises:
+        ShardingError: ``schedule``, ``microbatches``, ``virtual_stages`` or ``split_points`` given.
+    """
+    axis = options.get("pp_axis", "pp")
+    for key in PIPELINE_OPTIONS:
+        if key in options:
+            raise ShardingError(
+                f"option {key}={options[key]!r} needs a pipeline axis {axis!r} of size > 1 in the mesh {dict(mesh.shape)}. "
+                f"Fix: add the axis to the mesh (e.g. {{{axis!r}: 2, ...}}), or drop the option"
+            )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A checked pipeline plan: the stages, each stage's sharding :class:`~shardlib.Plan`, the schedule.
+
+    ``str(pplan)`` / :meth:`explain` print the stages (layers, pp rank), each pp rank's
+    parameter, gradient and optimizer bytes, the bytes of one boundary transfer, the bubble and
+    the schedule as a step-by-rank grid, then each stage's plan. Frozen, picklable (the mesh
+    becomes abstract) and equal on every rank.
+
+    Attributes:
+        pp_axis: the pipeline mesh axis.
+        schedule: ``"gpipe"`` (arXiv 1811.06965), ``"1f1b"`` or ``"interleaved_1f1b"`` (arXiv 2104.04473).
+        p: ranks along the pipeline axis. m: microbatches per step. v: model chunks per rank.
+        stage_layers: for each of the ``p * v`` stages (stage ``s`` on pp rank ``s % p``), the
+            names of its layers, in ``pipeline_layers()`` order.
+        stage_param_bytes: each stage's parameter bytes before sharding (a shared tensor once).
+        stages: for each pp rank ``r``, the plan of its :class:`~shardlib.parallel.pipeline.Stage`
+            (stages ``r, r + p, ...``): bytes per rank after ZeRO / tensor parallelism over the
+            other axes, on the rank at pp index ``r`` with this mesh's other coordinates (this
+            rank's own stage keeps the mesh; the others an :class:`~shardlib.AbstractMesh`).
+        whole: the whole model's plan (the checks and the layout every stage follows; its bytes
+            are those of all layers, about ``p`` times a stage's).
+        tied: ``(names, first pp rank)`` of each trainable tensor held on several pp ranks (a
+            tied embedding and LM head); its gradient is summed over ``pp`` every step.
+        activation_width: the last dimension of the activations sent between stages (the
+            model's ``config.n_embd``, ``hidden_size`` or ``d_model``); None when unknown.
+        state_names: every stage's parameters (with tied aliases) and persistent buffers, as
+            :class:`~shardlib.state_names.StateName` s: what a checkpoint of the whole model holds.
+        mesh: the mesh (not part of equality; kept for :meth:`apply`).
+
+    Example:
+        >>> import shardlib
+        >>> from shardlib.models import GPT, GPTConfig
+        >>> gpt = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=4, n_head=2, n_embd=16))
+        >>> pplan = shardlib.plan(gpt, shardlib.AbstractMesh({"pp": 2, "dp": 2}), schedule="1f1b", microbatches=4)
+        >>> pplan.stage_layers[1], pplan.bubble, pplan.boundary_bytes(tokens=16)  # (B / m, T, C) fp32
+        (('blocks.2', 'blocks.3', 'head'), 0.2, 1024)
+    """
+
+    pp_axis: str
+    schedule: str
+    p: int
+    m: int
+    v: int
+    stage_layers: tuple[tuple[str, ...], ...]
+    stage_param_bytes: tuple[int, ...]
+    stages: tuple["Plan", ...]
+    whole: "Plan"
+    tied: tuple[tuple[tuple[str, ...], int], ...] = ()
+    activation_width: int | None = None
+    state_names: tuple = ()  # StateName of every stage's parameters and persistent buffers (checkpoint checks)
+    mesh: Any = field(compare=False, repr=False, default=None)
+
+    @property
+    def n_stages(self) -> int:
+        """``p * v``."""
+        return self.p * self.v
+
+    @property
+    def split_points(self) -> tuple[str, ...]:
+        """The first layer of stages 1, 2, ...: the cut, as :func:`partition` takes it."""
+        return tuple(layers[0] for layers in self.stage_layers[1:])
+
+    @property
+    def bubble(self) -> float:
+        """The theoretical idle fraction ``(p - 1) / (v m + p - 1)``."""
+        return bubble_fraction(self.p, self.m, self.v)
+
+    @functools.cached_property
+    def simulation(self) -> Simulation:
+        """The schedule run on a clock (forward and backward one unit each)."""
+        return simulate(build_schedule(self.schedule, self.p, self.m, self.v))
+
+    # the data layout is the same on every stage (the whole model's options)
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        return self.whole.data_axes
+
+    @property
+    def data_size(self) -> int:
+        return self.whole.data_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.whole.sequence_parallel
+
+    def boundary_bytes(self, tokens: int) -> int | None:
+        """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
+
+        Args:
+            tokens: tokens in one microbatch on one rank, before any sequence split
+                (``local batch / m * seq``).
+
+        Returns:
+            ``tokens / tp * width * element size`` under sequence parallelism (the sequence
+            shard), ``tokens * width * element size`` otherwise; None if the width is unknown.
+        """
+        if self.activation_width is None:
+            return None
+        whole = self.whole
+        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
+        dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
+        return -(-tokens // parts) * self.activation_width * dtype.itemsize
+
+    def transfers_per_step(self, rank: int) -> int:
+        """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
+        its stages but the last, ``m`` gradients from each but the first."""
+        mine = range(rank, self.n_stages, self.p)
+        return self.m * (sum(s < self.n_stages - 1 for s in mine) + sum(s > 0 for s in mine))
+
+    # -- printing ----------------------------------------------------------------------------
+    def summary(self, tokens: int | None = None) -> str:
+        """The pipeline in a few lines: schedule and bubble, stages, bytes per pp rank, transfers.
+
+        Args:
+            tokens: tokens in one microbatch on one rank (``local batch / m * seq``), for the
+                boundary bytes; without it they are reported as needing it.
+        """
+        lines = [f"Pipeline over {self.pp_axis!r} ({self.p} ranks x {self.v} chunks = {self.n_stages} stages), schedule "
+                 f"{self.schedule}, {self.m} microbatches; bubble (p-1)/(vm+p-1) = {self.bubble:.3f}; "
+                 f"peak stashed microbatches per rank {self.simulation.peak_stash}"]
+        for s, layers in enumerate(self.stage_layers):
+            lines.append(f"  stage {s} on rank {s % self.p}: {', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''} "
+                         f"({len(layers)} layers, {self.stage_param_bytes[s]:,} parameter bytes)")
+        whole = self.whole
+        tp = f"tensor parallel over {whole.tp_layers[0].axis!r}" if whole.tp_layers else "no tensor parallelism"
+        lines.append(f"model state per rank, each stage sharded over the other axes (zero_stage={whole.zero_stage} over "
+                     f"{whole.data_axes or '()'}, N={whole.data_size}; {tp}):")
+        for r, st in enumerate(self.stages):
+            lines.append(f"  pp rank {r}: params {st.param_bytes:,} B + grads {st.grad_bytes:,} B + optimizer "
+                         f"{st.optimizer_bytes:,} B ({st.optimizer_states} states) = {st.model_state_bytes:,} B")
+        for names, _ in self.tied:
+            ranks = [r for r, st in enumerate(self.stages) if any(q.name in names for q in st.params)]
+            lines.append(f"  tied across stages: {' = '.join(names)} on pp ranks {ranks}; its gradient is summed over "
+                         f"{self.pp_axis!r} every step")
+        if self.sequence_parallel:
+            entry = self.stages[0].sp_entry
+            lines.append(f"sequence parallel over {self.whole.tp_layers[0].axis!r}: stage 0 splits the sequence at "
+                         f"{entry!r}; every boundary transfer carries the sequence shard")
+        shape = "(tokens / tp, width)" if self.sequence_parallel else "(tokens, width)"
+        if self.activation_width is None:
+            lines.append(f"bytes per boundary transfer: unknown (the model's config gives no width; activations are {shape})")
+        elif tokens is None:
+            lines.append(f"bytes per boundary transfer: needs tokens= (tokens per microbatch per rank); activations "
+                         f"{shape} with width {self.activation_width}")
+        else:
+            per = self.boundary_bytes(tokens)
+            sends = ", ".join(f"rank {r} {self.transfers_per_step(r)}" for r in range(self.p))
+            lines.append(f"bytes per boundary transfer: {per:,} ({tokens} tokens per microbatch, {shape} with width "
+                         f"{self.activation_width}); transfers per step: {sends}")
+        return "\n".join(lines)
+
+    def explain(self, tokens: int | None = None) -> str:
+        """:meth:`summary`, the schedule grid, then each pp rank's stage plan.
+
+        A stage plan's communication figures are those of one forward and backward (one
+        microbatch, ``tokens`` per rank); a step runs ``m`` of them per stage and reduces the
+        gradients over the data axes once.
+        """
+        lines = [self.summary(tokens), "schedule (forward F, backward B; stage, kind, microbatch):",
+                 format_grid(self.simulation)]
+        for r, st in enumerate(self.stages):
+            lines.append(f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in range(r, self.n_stages, self.p))}; "
+                         f"communication of one microbatch, a step runs {self.m}):")
+            lines.append(st.explain(tokens))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def apply(self, model: torch.nn.Module):
+        """This rank's stage of ``model``, sharded as planned, with the schedule that runs it (a
+        :class:`~shardlib.PipelineModule`); ``shard(model, mesh, specs, **options)`` is this.
+
+        Raises:
+            ShardingError: the plan was made on an :class:`~shardlib.AbstractMesh` (or unpickled).
+        """
+        if self.mesh is None or not hasattr(self.mesh, "group"):
+            raise ShardingError(
+                "this pipeline plan was made on an AbstractMesh (or unpickled) and cannot move tensors; "
+                "make it with a Mesh from init_mesh() to apply it"
+            )
+        return lower(self, model)
+
+    def __reduce__(self):
+        state = {f: getattr(self, f) for f in self.__dataclass_fields__}  # not the cached simulation
+        if state["mesh"] is not None:
+            state["mesh"] = state["mesh"].abstract()
+        return (_rebuild, (state,))
+
+
+def _rebuild(state):
+    return PipelinePlan(**state)
+
+
+def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, plan_module: Callable) -> PipelinePlan:
+    """Plan ``model`` as a pipeline over ``options["pp_axis"]`` (default ``"pp"``) of ``mesh``.
+
+    Args:
+        model: a model with ``pipeline_layers()`` or an ``nn.Sequential``.
+        mesh: a :class:`~shardlib.Mesh` or :class:`~shardlib.AbstractMesh` with the pipeline axis.
+        specs: as :func:`shardlib.plan`.
+        options: :func:`shardlib.plan`'s options, with ``schedule``, ``microbatches``,
+            ``virtual_stages`` and ``split_points``.
+        plan_module: the one-module planner (:func:`shardlib.plan.plan_module`), passed in so
+            that this module sits below ``plan.py`` and imports nothing from it.
+
+    Returns:
+        The :class:`PipelinePlan`.
+
+    Raises:
+        ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
+            stage; schedule sizes the schedule does not support; fewer layers than stages or
+            bad split points; under ``sequence_parallel``, a layout that would not be exact: the
+            entry not on the first stage, an output layer or ``sp_exit`` not on the last, no
+            output layer and no ``sp_exit`` (the output would stay split along the sequence), or
+            a pp rank holding no tensor-parallel layer. All before any communication.
+    """
+    options = dict(options)
+    axis = options.pop("pp_axis", "pp")
+    p = mesh.size(axis)
+    schedule = options.pop("schedule", "1f1b")
+    m = options.pop("microbatches", p)
+    v = options.pop("virtual_stages", 1)
+    split_points = options.pop("split_points", None)
+    build_schedule(schedule, p, m, v)  # checks the sizes
+    whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    modules = [partition(model, r, p, v, split_points) for r in range(p)]
+    layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
+    sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))
+    sp_fields = _sequence_parallel_per_rank(whole, modules, mesh, axis) if whole.sequence_parallel else None
+
+    # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
+    # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
+    exact = {name: pp.spec for pp in whole.params for name in (pp.name,) + pp.aliases}
+    for key in ("logical_axis_rules", "sp_entry", "sp_exit"):
+        options.pop(key, None)
+    options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
+    if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
+        by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
+        rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))
+                 for pp in whole.params for alias in (pp.name,) + pp.aliases}
+        options["init_rules"] = lambda name, _, rules=rules: rules.get(name)
+    stages = []
+    for r, stage in enumerate(modules):
+        # seen from the rank at pp index r with this rank's other coordinates (this mesh for our own stage)
+        view = mesh if r == mesh.index(axis) else AbstractMesh(mesh.shape, rank=mesh.axis_ranks(axis)[r])
+        stage_plan = plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options)
+        stages.append(dataclasses.replace(stage_plan, **sp_fields[r]) if sp_fields else stage_plan)
+    return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
+                        stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
+                        activation_width=_activation_width(model), state_names=_state_names(whole, modules), mesh=mesh)
+
+
+def _state_names(whole: "Plan", modules: list[Stage]) -> tuple:
+    """The whole model's state as the stages hold it: what a checkpoint load checks against."""
+    from .state_names import model_state_names
+
+    held = {name for st in modules for name, _ in st.named_parameters(remove_duplicate=False)}
+    return model_state_names(whole.params, modules, held)
+
+
+def _tied(model: torch.nn.Module, whole: "Plan", modules: list[Stage]) -> tuple:
+    owners: dict[int, set[int]] = {}
+    for r, stage in enumerate(modules):
+        for prm in stage.parameters():
+            owners.setdefault(id(prm), set()).add(r)
+    tied = []
+    for pp in whole.params:
+        ranks = owners.get(id(model.get_parameter(pp.name)), set())
+        if len(ranks) > 1 and pp.requires_grad:
+            tied.append(((pp.name,) + pp.aliases, min(ranks)))
+    return tuple(tied)
+
+
+def _activation_width(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("n_embd", "hidden_size", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, axis: str) -> list[dict]:
+    """Each pp rank's share of the whole model's sequence-parallel layout, checked exact.
+
+    Returns, per pp rank, the plan fields: ``sp_entry`` (the whole model's on the first stage's
+    rank, else None: the stage's input arrives as the sequence shard), ``sp_exit`` (on the last
+    stage's rank), ``sp_grad_params`` (the rank's norm weights and row biases).
+    """
+    p = len(modules)
+    n_stages = p * len(modules[0].chunk_paths)
+    mesh_shape = dict(mesh.shape)
+
+    def stage_of(path: str) -> int | None:
+        for s in range(n_stages):
+            if any(path == root or path.startswith(root + ".") for root in modules[s % p].chunk_paths[s // p]):
+                return s
+        return None
+
+    def where(s: int | None) -> str:
+        return "in no stage" if s is None else f"on stage {s} (layers {modules[s % p].chunk_layers[s // p]})"
+
+    given = f"sequence_parallel=True on the pipeline mesh {mesh_shape} ({n_stages} stages over {axis!r})"
+    entry = stage_of(whole.sp_entry)
+    if entry != 0:
+        raise ShardingError(
+            f"{given}: the sequence-parallel entry {whole.sp_entry!r} is {where(entry)}, not on stage 0; the stages "
+            "before it would run norms and dropouts as if on sequence shards. Fix: sp_entry= a module of the first stage "
+            f"({modules[0].chunk_layers[0]}), or split_points= that put {whole.sp_entry!r} in stage 0"
+        )
+    outputs = [layer.path for layer in whole.tp_layers if layer.output_layer] + ([whole.sp_exit] if whole.sp_exit else [])
+    if not outputs:
+        raise ShardingError(
+            f"{given}: nothing gathers the sequence at the end (no column-parallel output layer and no sp_exit), so the last "
+            "stage would return a sequence shard to the loss. Fix: split the LM head (e.g. models.gpt_preset(), whose "
+            "vocabulary-parallel wte is tied to lm_head), or pass sp_exit='<the final norm>' (e.g. 'ln_f')"
+        )
+    for path in outputs:
+        s = stage_of(path)
+        if s != n_stages - 1:
+            raise ShardingError(
+                f"{given}: {path!r} gathers the sequence but is {where(s)}, not on the last stage {n_stages - 1}; the "
+                "stages after it would receive full sequences where shards are expected. Fix: "
+                f"split_points= that keep {path!r} in the last stage, or leave sp_exit unset"
+            )
+    tp_ranks = {s % p for s in map(stage_of, (layer.path for layer in whole.tp_layers)) if s is not None}
+    for r in range(p):
+        if r not in tp_ranks:
+            held = [name for layers in modules[r].chunk_layers for name in layers]
+            raise ShardingError(
+                f"{given}: pp rank {r} holds layers {held} with no tensor-parallel layer, so nothing there splits, "
+                f"gathers or sums over {whole.tp_layers[0].axis!r}. Fix: split_points= that give every stage a block, or "
+                "split its embedding (P('tp', None) on wte.weight, as models.gpt_preset() does)"
+            )
+    fields = []
+    for r, stage in enumerate(modules):
+        names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
+        fields.append(dict(
+            sequence_parallel=True,
+            sp_entry=whole.sp_entry if r == 0 else None,
+            sp_exit=whole.sp_exit if r == (n_stages - 1) % p else "",
+            sp_grad_params=tuple(n for n in whole.sp_grad_params if n in names),
+        ))
+    return fields

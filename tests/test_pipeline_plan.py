@@ -1,0 +1,162 @@
+"""The pipeline plan: plan() on a pp mesh is what shard() applies, and sequence parallelism over
+stages is refused where it would not be exact (every rank, before any communication)."""
+
+import pickle
+
+import pytest
+import torch
+
+import shardlib
+from shardlib import AbstractMesh, P, ShardingError
+from shardlib.models import GPT, GPTConfig, gpt_preset, tp_specs
+from shardlib.parallel.schedules import bubble_fraction
+from shardlib.pipeline_plan import PipelinePlan
+from shardlib.testing import run_on
+
+PP2_DP2 = AbstractMesh({"pp": 2, "dp": 2})
+PP2_TP2 = AbstractMesh({"pp": 2, "tp": 2})
+
+
+def _gpt(layers=4):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=layers, n_head=2, n_embd=16, bias=False))
+
+
+def _ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _shard_and_step(shape, options):
+    mesh = shardlib.init_mesh(shape)
+    smodel = shardlib.shard(_gpt(), mesh, **options)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
+    x = shardlib.distribute(torch.randint(0, 37, (8, 9), generator=torch.Generator().manual_seed(1)), mesh, smodel.batch_spec)
+    smodel.forward_backward(x[:, :-1], criterion=_ce, labels=(x[:, 1:],))
+    opt.step()  # the optimizer state exists from here
+    return {"pplan": smodel.pipeline_plan, "layers": smodel.stage_layers, "bytes": shardlib.model_state_bytes(smodel, opt),
+            "plan": smodel.plan, "pp": mesh.index("pp")}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_plan_on_abstract_mesh_is_what_shard_applies(zero_stage):
+    """plan(model, AbstractMesh({"pp": 2, "dp": 2}), schedule=...) needs no process, and equals
+    the plan every rank of shard() applies: stage layers, per-stage bytes (measured after an
+    optimizer step: parameter, gradient and AdamW state storage), the bubble."""
+    options = dict(schedule="1f1b", microbatches=4, zero_stage=zero_stage, chunk_size=400)
+    pplan = shardlib.plan(_gpt(), PP2_DP2, **options)
+    assert isinstance(pplan, PipelinePlan) and pplan.bubble == bubble_fraction(2, 4) == 0.2
+    assert pplan.stage_layers == (("embed", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "head"))
+    assert pickle.loads(pickle.dumps(pplan)) == pplan
+    for rank, got in enumerate(run_on(4, _shard_and_step, {"pp": 2, "dp": 2}, options)):
+        assert got["pplan"] == pplan  # the same value on a real mesh, on every rank
+        assert got["layers"] == [list(layers) for layers in pplan.stage_layers]
+        mine = shardlib.plan(_gpt(), AbstractMesh({"pp": 2, "dp": 2}, rank=rank), **options).stages[got["pp"]]
+        assert got["plan"] == mine
+        assert got["bytes"] == {"params": mine.param_bytes, "grads": mine.grad_bytes, "optimizer": mine.optimizer_bytes,
+                                "total": mine.model_state_bytes}, (rank, got["bytes"])
+    whole = shardlib.plan(_gpt(), AbstractMesh({"dp": 2}), zero_stage=zero_stage, chunk_size=400)
+    assert pplan.whole.params == whole.params  # the whole model's layout; each stage holds about half of it
+    assert sum(s.param_bytes for s in pplan.stages) < 1.2 * whole.param_bytes
+
+
+def test_pipeline_plan_explain():
+    pplan = shardlib.plan(_gpt(), PP2_DP2, schedule="1f1b", microbatches=4, zero_stage=1)
+    text = pplan.explain()
+    assert "schedule 1f1b, 4 microbatches; bubble (p-1)/(vm+p-1) = 0.200; peak stashed microbatches per rank [2, 1]" in text
+    assert "stage 0 on rank 0: embed, blocks.0, blocks.1 (3 layers" in text and "stage 1 on rank 1: blocks.2" in text
+    s0, s1 = pplan.stages
+    assert f"pp rank 1: params {s1.param_bytes:,} B + grads {s1.grad_bytes:,} B + optimizer {s1.optimizer_bytes:,} B" in text
+    assert "tied across stages: wte.weight = lm_head.weight on pp ranks [0, 1]" in text
+    assert "bytes per boundary transfer: needs tokens=" in text
+    assert " 0F0 " in text and "stage plan of pp rank 1 (stages 1; communication of one microbatch, a step runs 4):" in text
+    assert "rank 2 at {'pp': 1, 'dp': 0}" in text  # stage 1 seen from the rank at pp 1 with our dp coordinate
+    # 2 rows x 8 tokens per microbatch, width 16, fp32; each rank sends 4 activations or 4 gradients
+    assert "bytes per boundary transfer: 1,024 (16 tokens per microbatch" in pplan.summary(tokens=16)
+    assert "transfers per step: rank 0 4, rank 1 4" in pplan.summary(tokens=16)
+    interleaved = shardlib.plan(_gpt(6), PP2_DP2, schedule="interleaved_1f1b", microbatches=4, virtual_stages=2)
+    assert interleaved.transfers_per_step(0) == 4 * 3 and interleaved.bubble == bubble_fraction(2, 4, 2)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert "bytes per boundary transfer: unknown" in shardlib.plan(seq, AbstractMesh({"pp": 2})).summary(tokens=8)
+
+
+def test_pipeline_options_without_a_pipeline_axis():
+    """plan() and shard() refuse pipeline options on a mesh without pp with the same message."""
+    messages = []
+    for make in (lambda: shardlib.plan(_gpt(), AbstractMesh({"dp": 1}), schedule="1f1b"),
+                 lambda: shardlib.shard(_gpt(), shardlib.init_mesh({"dp": 1}), schedule="1f1b")):
+        with pytest.raises(ShardingError, match=r"option schedule='1f1b' needs a pipeline axis 'pp' of size > 1 in the "
+                                                r"mesh \{'dp': 1\}. Fix: add the axis to the mesh") as err:
+            make()
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
+    with pytest.raises(ShardingError, match="option microbatches=4 needs a pipeline axis 'pp'"):
+        shardlib.plan(_gpt(), AbstractMesh({"dp": 2, "pp": 1}), microbatches=4)
+    assert isinstance(shardlib.plan(_gpt(), AbstractMesh({"dp": 2, "pp": 1})), shardlib.Plan)  # pp of size 1: no pipeline
+
+
+SP = dict(sequence_parallel=True, schedule="1f1b", microbatches=2)
+REFUSED = [
+    (dict(specs=tp_specs()), ["sequence_parallel=True on the pipeline mesh {'pp': 2, 'tp': 2}", "nothing gathers the sequence",
+                              "no column-parallel output layer and no sp_exit", "Fix: split the LM head"]),
+    (dict(specs=gpt_preset().specs, sp_entry="blocks.2"), ["entry 'blocks.2' is on stage 1", "not on stage 0",
+                                                            "Fix: sp_entry= a module of the first stage"]),
+    (dict(specs=tp_specs(), sp_exit="blocks.1"), ["'blocks.1' gathers the sequence but is on stage 0", "not on the last stage 1",
+                                                  "Fix: split_points="]),
+    (dict(specs=tp_specs(), sp_exit="ln_f", split_points=["blocks.0"]),
+     ["pp rank 0 holds layers ['embed'] with no tensor-parallel layer", "Fix: split_points= that give every stage a block"]),
+]
+
+
+@pytest.mark.parametrize("given,parts", REFUSED)
+def test_sequence_parallel_over_stages_refused_where_not_exact(given, parts):
+    import re
+
+    given = dict(given)
+    specs = given.pop("specs")
+    with pytest.raises(ShardingError, match=".*".join(re.escape(p) for p in parts)):
+        shardlib.plan(_gpt(), PP2_TP2, specs, **SP, **given)
+
+
+def test_sequence_parallel_allowed_layouts():
+    """The exit on the last stage (a replicated LM head after ln_f's gather); the embedding stage
+    alone when its embedding is vocabulary parallel; the entry fields per rank."""
+    pplan = shardlib.plan(_gpt(), PP2_TP2, tp_specs(), sp_exit="ln_f", **SP)
+    assert [s.sp_exit for s in pplan.stages] == ["", "ln_f"] and [s.sp_entry for s in pplan.stages] == ["drop", None]
+    pplan = shardlib.plan(_gpt(), PP2_TP2, gpt_preset().specs, split_points=["blocks.0"], **SP)
+    assert pplan.stage_layers[0] == ("embed",) and [layer.kind for layer in pplan.stages[0].tp_layers] == ["vocab"]
+    assert pplan.stages[0].sp_grad_params == () and "ln_f.weight" in pplan.stages[1].sp_grad_params
+    assert "sequence parallel over 'tp': stage 0 splits the sequence at 'drop'" in pplan.explain(tokens=16)
+    assert pplan.boundary_bytes(16) == 8 * 16 * 4
+
+
+def test_hugging_face_models_have_no_pipeline_path():
+    transformers = pytest.importorskip("transformers")
+    from shardlib.models import llama_preset
+
+    cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    with pytest.raises(ShardingError, match="LlamaForCausalLM is not an nn.Sequential and has no pipeline_layers.*Hugging Face"):
+        shardlib.plan(transformers.LlamaForCausalLM(cfg), PP2_TP2, llama_preset().specs, **SP)
+
+
+def _refused_on_every_rank(case):
+    mesh = shardlib.init_mesh({"pp": 2, "tp": 2})
+    if case == "plan":
+        shardlib.shard(_gpt(), mesh, tp_specs(), **SP)
+    smodel = shardlib.shard(_gpt(), mesh, gpt_preset().specs, **SP)
+    x = torch.randint(0, 37, (4, 8))  # a sequence of 7 does not split over tp=2
+    mesh.comm.reset()
+    try:
+        smodel.forward_backward(x[:, :-1], criterion=_ce, labels=(x[:, 1:],))
+    finally:
+        assert not mesh.comm.calls("pp", "send")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case,words", [("plan", "nothing gathers the sequence"), ("run", "sequence length divisible by 2")])
+def test_sequence_parallel_refusals_on_every_rank(case, words):
+    with pytest.raises(shardlib.WorkerError) as err:
+        run_on(4, _refused_on_every_rank, case)
+    assert set(err.value.errors) == {0, 1, 2, 3}
+    assert all(t == "ShardingError" and words in m for t, m in err.value.errors.values())
