@@ -24,6 +24,11 @@ def _batch(rows):
     return x[:, :-1], x[:, 1:]
 
 
+def _sharded() -> bool:
+    """In a sharded worker (the test process may hold a one-rank process group of its own)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 class _ScaleGradInWorkers(torch.autograd.Function):
     """Identity forward; backward scales the gradient by ``1 + eps`` in a distributed run only."""
 
@@ -34,7 +39,7 @@ class _ScaleGradInWorkers(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g * (1 + ctx.eps) if dist.is_initialized() else g, None
+        return g * (1 + ctx.eps) if _sharded() else g, None
 
 
 class GradBug(nn.Module):
@@ -60,7 +65,7 @@ class LrBugAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         self.calls = getattr(self, "calls", 0) + 1
-        bug = dist.is_initialized() and self.calls > self.from_step
+        bug = _sharded() and self.calls > self.from_step
         if bug:
             for group in self.param_groups:
                 group["lr"] *= 1 + self.eps_bug

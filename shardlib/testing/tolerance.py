@@ -158,8 +158,8 @@ def compare_records(got: list[dict], reference: list[dict], bands: list[dict] | 
     """Compare a sharded run's per-step records with the single-process ones (module docstring).
 
     Records are ``{"loss": float, "grads": {name: Tensor | None}, "params": {name: Tensor},
-    "norm": float | None}`` per step; ``got`` may hold a subset of the reference's gradient
-    names (a pipeline stage's), but every reference parameter must be in ``got["params"]``.
+    "norm": float | None}`` per step; every name of the reference must be in ``got`` (which may
+    hold more: a tied parameter under its alias, as a pipeline stage names it).
 
     Returns:
         The largest relative error seen per kind: ``{"loss", "grad", "param", "norm"}``.
@@ -177,8 +177,10 @@ def compare_records(got: list[dict], reference: list[dict], bands: list[dict] | 
             worst["norm"] = max(worst["norm"], assert_close("norm", f64(mine["norm"]), f64(ref["norm"]), rtol,
                                                             "the gradient", step, band=band["norm"]))
         floor = gradient_floor(ref["grads"].values())
-        for name, g in mine["grads"].items():
-            expected = ref["grads"][name]
+        for name, expected in ref["grads"].items():
+            if name not in mine["grads"]:
+                raise AssertionError(f"step {step}: the sharded run has no gradient of {name}")
+            g = mine["grads"][name]
             if g is None or expected is None:
                 if (g is None) != (expected is None):
                     raise AssertionError(f"step {step}: gradient of {name}: sharded {g is None and 'None'}, "
