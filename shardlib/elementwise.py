@@ -9,10 +9,13 @@ parameter vector, through a closure) are not: run on chunks they train another m
 
 Accepted: torch's elementwise optimizers by exact class (:data:`ELEMENTWISE_OPTIMIZERS`,
 checked against torch 2.13's source: every state tensor is per element and every update a
-function of the same element's parameter, gradient and state, scalar step counts aside); a
-class that declares ``shardlib_elementwise = True`` in its own body; and any other optimizer
-that :func:`probe` proves elementwise on small float64 CPU tensors with the caller's
-hyperparameters. Everything else is refused by :func:`check_elementwise`.
+function of the same element's parameter, gradient and state, scalar step counts aside), also
+inside a ``functools.partial``; and a class (or factory) that declares ``shardlib_elementwise
+= True`` itself. Everything else is refused by :func:`check_elementwise`: :func:`probe`, on
+small float64 CPU tensors with the caller's hyperparameters, can show an update is not
+elementwise but never that it is (a review found optimizers that read a whole tensor only above
+64 elements, or from the fourth step on, and passed it), so its finding only goes into the
+message.
 """
 
 from __future__ import annotations
@@ -98,36 +101,57 @@ def probe(optimizer_cls: Any, optimizer_kwargs: dict) -> str | None:
     return None
 
 
+def _unwrap(optimizer_cls: Any) -> Any:
+    """The class behind ``functools.partial(cls, ...)`` (any depth), else ``optimizer_cls``."""
+    import functools
+
+    while isinstance(optimizer_cls, functools.partial):
+        optimizer_cls = optimizer_cls.func
+    return optimizer_cls
+
+
 def check_elementwise(optimizer_cls: Any, optimizer_kwargs: dict) -> None:
-    """Refuse an optimizer whose update of a ZeRO shard would not be the shard of its update.
+    """Refuse an optimizer whose update of a ZeRO shard may not be the shard of its update.
+
+    A probe on small tensors can show that an optimizer is *not* elementwise, never that it is
+    (an update may read a whole tensor only above some size, or from some step on), so only two
+    kinds are accepted: torch's elementwise optimizers by exact class, and a class or factory
+    that declares ``shardlib_elementwise = True`` itself (its author's word). Everything else is
+    refused; :func:`probe` runs only to say in the message what it found.
 
     Args:
-        optimizer_cls: what :class:`~shardlib.ZeroOptimizer` was given (a class or a factory
-            ``f(params, **kwargs)``).
+        optimizer_cls: what :class:`~shardlib.ZeroOptimizer` was given (a class, a
+            ``functools.partial`` of one, or a factory ``f(params, **kwargs)``).
         optimizer_kwargs: its hyperparameters (the probe uses them).
 
     Raises:
-        NotElementwiseError: ``optimizer_cls`` is neither one of
-            :data:`ELEMENTWISE_OPTIMIZERS` (exact classes), nor declares
-            ``shardlib_elementwise = True`` in its class body, nor passes :func:`probe`. No
-            communication: every rank decides alike.
+        NotElementwiseError: ``optimizer_cls`` is neither one of :data:`ELEMENTWISE_OPTIMIZERS`
+            (exact classes, also inside a ``functools.partial``) nor declares
+            ``shardlib_elementwise = True`` in its own class body (or as a function attribute).
+            No communication: every rank decides alike.
     """
-    if any(optimizer_cls is c for c in ELEMENTWISE_OPTIMIZERS):
+    inner = _unwrap(optimizer_cls)
+    if any(inner is c for c in ELEMENTWISE_OPTIMIZERS):
         return
-    if isinstance(optimizer_cls, type) and vars(optimizer_cls).get("shardlib_elementwise") is True:
-        return  # the author's word for it
+    if vars(inner).get("shardlib_elementwise") is True if hasattr(inner, "__dict__") else False:
+        return  # the author's word for it (not inherited: a subclass may change the update)
     why = probe(optimizer_cls, dict(optimizer_kwargs))
-    if why is None:
-        return
-    name = _name(optimizer_cls)
+    name = _name(inner)
     known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:-1])
-    short = getattr(optimizer_cls, "__name__", name)
+    short = getattr(inner, "__name__", name)
     vouch = "" if name.startswith("torch.") else (
-        f", or, if {short}'s update is elementwise, declare it with the class attribute shardlib_elementwise = True")
+        f", or, if {short}'s update is elementwise at every size and step, declare it with "
+        f"{short}.shardlib_elementwise = True (set on the class itself; subclasses do not inherit it)")
+    if why is None:
+        found = (f"a probe on a few float64 parameters and their flat concatenation cut in two found no difference, "
+                 f"but that cannot prove an update elementwise at other sizes or steps, and shardlib does not run what "
+                 f"it cannot prove exact")
+    else:
+        found = f"on a few float64 parameters and their flat concatenation cut in two it {why}"
     raise NotElementwiseError(
         f"ZeroOptimizer(smodel, {name}): the optimizer must be elementwise, because it runs on flat 1-D ZeRO "
         f"chunks and shards that concatenate many parameters and cut them anywhere, so an update that reads a "
         f"whole tensor (its norm, rows and columns, or shape: Adafactor, LAMB, LARS, Muon, LBFGS) would train "
-        f"another model. {name} is not one of torch's elementwise optimizers, and on a few float64 parameters and "
-        f"their flat concatenation cut in two it {why}. Fix: use an elementwise optimizer (torch.optim.{known}){vouch}"
+        f"another model. {name} is not one of torch's elementwise optimizers, and {found}. "
+        f"Fix: use an elementwise optimizer (torch.optim.{known}){vouch}"
     )

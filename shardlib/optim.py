@@ -81,11 +81,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     shard of its update): per-tensor optimizers (Adafactor, LAMB, Muon, LBFGS) would see chunks,
     not parameters, and are refused. Accepted: torch's elementwise optimizers (SGD, Adam, AdamW,
     Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD) and
-    :class:`shardlib.kernels.FusedAdamW`, by exact class; a class whose own body sets
-    ``shardlib_elementwise = True`` (its author vouches); any other optimizer (a subclass, your
-    own) if a probe proves it elementwise with ``optimizer_kwargs``: a few steps on small
-    float64 CPU tensors, per parameter and as their flat concatenation cut in two, must agree
-    (:func:`shardlib.elementwise.probe`, no communication).
+    :class:`shardlib.kernels.FusedAdamW`, by exact class (also inside a ``functools.partial``);
+    and a class whose own body sets ``shardlib_elementwise = True`` (its author vouches). Any
+    other (a subclass, your own) is refused: a probe on small float64 tensors
+    (:func:`shardlib.elementwise.probe`) can show an update is not elementwise but not that it is,
+    so it only says in the message what it found (no communication).
 
     Args:
         smodel: the module returned by :func:`shardlib.shard`.

@@ -110,14 +110,15 @@ def test_harness_fails_on_a_learning_rate_off_by_one_percent_in_the_third_step_o
 def test_sensitivity_band_is_narrow_where_the_update_is_well_conditioned():
     """The band loosens the bound only where the optimizer amplifies: after one AdamW step at
     lr 1e-2, at most 3% of the weight elements (measured: 1.0%) have a band above rtol x their
-    tensor's scale, and the median band is below 1/50 of it (measured: 1/520). After the third
-    step the median is about 1x (measured 0.98: the noise elements moved by up to lr each way
-    have changed the trajectory), so the bound there is about 3 x rtol for a typical element."""
+    tensor's scale, and the median band is below 1/50 of it (measured: 1/520). Later steps widen
+    it as noise elements, moved by up to lr either way, change the trajectory (measured medians
+    0.44 and 1.17 x rtol after steps 2 and 3), so a typical element's bound after step 3 is
+    about 3.3 x rtol; test_harness_fails_on_a_learning_rate_off_by_one_percent_in_the_third_step_only
+    shows that is still tight enough to catch a 1% learning-rate error there."""
     harness = {"optimizer_cls": torch.optim.AdamW, "optimizer_kwargs": {"lr": 1e-2}, "loss_fn": None,
                "accum_steps": 1, "max_grad_norm": None, "seed": 0, "dropout_seed": 0}
-    make = functools.partial(GPT, CFG)
-    ref = eq._reference(make, _batch(4), 1, harness)
-    bands = tl.sensitivity_bands(ref, [eq._reference(make, _batch(4), 1, harness, s, 1e-5) for s in tl.PERTURBATIONS])
+    ref, bands = tl.reference_with_bands(functools.partial(eq._reference_run, functools.partial(GPT, CFG), _batch(4),
+                                                           harness), 1, 1e-5)
     ratios = []
     for name, band in bands[0]["params"].items():
         scale = ref[0]["params"][name].abs().max().item()
@@ -135,3 +136,13 @@ def test_assert_close_message_names_the_element_and_its_bound():
     tl.assert_close("w", expected + torch.tensor([0.0, 0.9, 0.0]), expected, 1e-5, "parameter", 0, band=band)
     with pytest.raises(AssertionError, match=r"parameter w differs .* at element \(2,\): \|diff\| 1\.000e-02"):
         tl.assert_close("w", expected + torch.tensor([0.0, 0.9, 0.01]), expected, 1e-5, "parameter", 0, band=band)
+
+
+def test_a_chaotic_single_process_run_is_reported_not_compared():
+    """AdamW at lr 0.1 on this GPT: from step 3 on, gradients moved within the fp32 tolerance
+    move the single-process loss by 1.1e-4 (relative; 7.8e-2 by step 10, measured): rounding alone
+    scatters the trajectory, so the harness says so before any worker runs."""
+    with pytest.raises(tl.NotComparable, match=r"step 2: the single-process run is scattered by rounding alone.*"
+                                               r"Fix: fewer steps, a smaller learning rate, or float64"):
+        assert_equivalent(functools.partial(GPT, CFG), {"dp": 2}, None, _batch(8), steps=10, zero_stage=2,
+                          optimizer_kwargs={"lr": 1e-1})

@@ -1,5 +1,7 @@
 """Pipeline parallelism: every schedule equals one process (losses, gradients, parameters)."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -10,7 +12,7 @@ import shardlib.parallel.schedules
 from shardlib.errors import ShardingError, WorkerError
 from shardlib.models import GPT, GPTConfig
 from shardlib.testing import default_tolerances, run_on
-from shardlib.testing.tolerance import PERTURBATIONS, compare_records, perturb_gradients_, sensitivity_bands
+from shardlib.testing.tolerance import ReferenceRun, compare_records, reference_with_bands
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,25 +55,13 @@ def _pipeline_worker(shape, layers, options, rows, clip):
     return out
 
 
-def _reference(layers, rows, clip, dtype=torch.float32, perturb=None):
-    """The single-process run's per-step records; with ``perturb``, its gradients moved by the
-    gradient tolerance, for the sensitivity band of :mod:`shardlib.testing.tolerance`."""
+def _reference_run(layers, rows, clip, dtype=torch.float32):
+    """A fresh single-process run of the same GPT on the same batches (for the band copies)."""
     torch.manual_seed(0)
     model = GPT(_config(layers)).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    records = []
-    for step, x in enumerate(_batches(rows)):
-        _, loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        if perturb is not None:
-            perturb_gradients_(list(model.parameters()), perturb, default_tolerances(dtype), step)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item() if clip else None
-        opt.step()
-        opt.zero_grad()
-        records.append({"loss": loss.item(), "grads": grads, "norm": norm,
-                        "params": {k: v.detach().clone() for k, v in model.state_dict().items()}})
-    return records
+    batches = _batches(rows)
+    return ReferenceRun(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        lambda m, step: m(batches[step][:, :-1], batches[step][:, 1:])[1], clip)
 
 
 def _check(shape, layers, options, rows=8, clip=None):
@@ -83,8 +73,8 @@ def _check(shape, layers, options, rows=8, clip=None):
         world *= size
     dtype = options.get("dtype", torch.float32)
     results = run_on(world, _pipeline_worker, shape, layers, options, rows, clip)
-    ref = _reference(layers, rows, clip, dtype)
-    bands = sensitivity_bands(ref, [_reference(layers, rows, clip, dtype, sign) for sign in PERTURBATIONS])
+    ref, bands = reference_with_bands(functools.partial(_reference_run, layers, rows, clip, dtype), 3,
+                                      default_tolerances(dtype))
     last = [r for r in results if r["last_stage"]]
     assert len(last) == world // shape["pp"]  # one last stage per data/tensor coordinate
     for r in results:

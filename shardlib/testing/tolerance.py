@@ -18,15 +18,23 @@ The model here:
    largest gradient's scale (a tensor that is zero in exact arithmetic, such as a key bias
    under softmax, is compared at that floor). Step 0's inputs are identical, so this bound
    holds for every correct lowering; it is where a wrong shard or a missing reduction shows.
-2. **Everything downstream of an optimizer step gets a measured sensitivity band.** The
-   single-process run is repeated three times with every gradient perturbed, after backward
-   and before clipping and the update, by exactly the gradient tolerance of rule 1 (signs
-   ``+1``, ``-1`` and a fixed pseudo-random pattern). The band of a quantity (a parameter
-   after step k, a gradient, loss or norm at step k) is its largest elementwise deviation
-   from the unperturbed run over the three. It measures what an admissible gradient
-   difference does to that element through the optimizer and the rest of training: tiny for
-   a well-conditioned element, up to ``2 lr`` for an AdamW element whose gradient is noise.
-   The bound is ``rtol * scale + SAFETY * band`` elementwise.
+2. **Everything downstream of an optimizer step gets a measured sensitivity band.** Beside
+   the single-process run, three copies train in lockstep whose gradients, after backward and
+   before clipping and the update, are replaced at every step by the reference gradient moved
+   to the edge of what rule 1 admits there: ``g_ref + s * (rtol * max(scale, floor) + band)``,
+   with signs ``s`` of ``+1``, ``-1`` and a fixed pseudo-random pattern, and ``band`` the
+   gradient's own band at that step (zero at step 0). The band of a quantity (a parameter after
+   step k, a gradient, the loss or the norm at step k) is its largest elementwise deviation from
+   the reference over the three copies. For an update that is monotone in each gradient element
+   (SGD; AdamW, Adagrad near their first steps) the all-plus and all-minus copies are the
+   extremes of what any admissible gradients reach, so the band bounds the sharded run's
+   deviation: tiny for a well-conditioned element, up to ``2 lr`` for an AdamW or Adagrad
+   element whose gradient is noise (its sign is arbitrary). The bound is ``rtol * scale +
+   SAFETY * band`` elementwise.
+3. **A trajectory that rounding alone scatters is not compared.** If the copies' losses spread
+   by more than ``CHAOS`` (relative) at some step, fp32 training is chaotic there (a large
+   learning rate over many steps): no sharded run could be held to the single-process one, and
+   the harness says so (:class:`NotComparable`) instead of passing or failing.
 
 A real error is not hidden by the band: the perturbation is at most the gradient tolerance
 (1e-5 of a tensor's scale in fp32, about 100x the rounding differences seen), well-conditioned
@@ -42,12 +50,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOOR", "SAFETY", "PERTURBATIONS", "gradient_floor", "perturb_gradients_", "sensitivity_bands",
-           "assert_close", "compare_records"]
+__all__ = ["FLOOR", "SAFETY", "CHAOS", "PERTURBATIONS", "NotComparable", "ReferenceRun", "reference_with_bands",
+           "gradient_floor", "assert_close", "compare_records"]
 
 FLOOR = 1e-3  # a gradient tensor below this fraction of the largest one is compared at that floor
-SAFETY = 2.0  # the band is a first-order measurement; twice it covers second-order effects
-PERTURBATIONS = (1, -1, "random")  # the gradient perturbations of the three band runs
+SAFETY = 2.0  # the band is measured at the edges; twice it covers updates that are not monotone
+CHAOS = 1e-4  # relative loss spread of the band copies beyond which a step is not comparable (10 x fp32's rtol)
+PERTURBATIONS = (1, -1, "random")  # the gradient perturbations of the three band copies
+
+
+class NotComparable(AssertionError):
+    """The single-process run is itself scattered by fp32 rounding (rule 3 of the module doc)."""
 
 
 def _scale(t: torch.Tensor | None) -> float:
@@ -59,57 +72,100 @@ def gradient_floor(grads: Iterable[torch.Tensor | None]) -> float:
     return FLOOR * max((_scale(g) for g in grads), default=0.0)
 
 
-def perturb_gradients_(params: Sequence[torch.nn.Parameter], sign: int | str, rtol: float, step: int = 0) -> None:
-    """Add the gradient tolerance to every ``p.grad`` in place: ``sign * rtol * max(max |g|, floor)``.
+def _pattern(sign: int | str, like: torch.Tensor, step: int, index: int) -> torch.Tensor | float:
+    if sign != "random":
+        return float(sign)
+    gen = torch.Generator().manual_seed(1_000_003 * step + index)
+    return torch.randint(0, 2, like.shape, generator=gen).to(like.dtype).mul_(2).sub_(1).to(like.device)
+
+
+class ReferenceRun:
+    """One single-process training run, stepped from outside (the lockstep of
+    :func:`reference_with_bands`).
 
     Args:
-        params: the parameters whose ``.grad`` to perturb (``None`` gradients are skipped).
-        sign: ``1`` or ``-1`` (every element the same way), or ``"random"``: a fixed
-            pseudo-random sign per element (seeded by the step and the parameter's position).
-        rtol: the relative tolerance of rule 1 of the module docstring.
-        step: the optimizer step, for the random pattern.
+        model: the unsharded model.
+        optimizer: its optimizer.
+        loss: ``loss(model, step) -> scalar tensor`` (the forward of one step).
+        max_grad_norm: clip to this global norm before the update (``torch.nn.utils.clip_grad_norm_``).
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    floor = gradient_floor(grads)
-    for i, g in enumerate(grads):
-        delta = rtol * max(_scale(g), floor)
-        if sign == "random":
-            gen = torch.Generator().manual_seed(1_000_003 * step + i)
-            pattern = torch.randint(0, 2, g.shape, generator=gen).to(g.dtype).mul_(2).sub_(1)
-            g.add_(pattern.to(g.device), alpha=delta)
-        else:
-            g.add_(float(sign) * delta)
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss, max_grad_norm: float | None = None):
+        self.model, self.optimizer, self.loss, self.max_grad_norm = model, optimizer, loss, max_grad_norm
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def backward(self, step: int) -> dict:
+        loss = self.loss(self.model, step)
+        loss.backward()
+        grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in self.model.named_parameters()}
+        return {"loss": loss.item(), "grads": grads}
+
+    def update(self) -> dict:
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                  self.max_grad_norm).item()
+        self.optimizer.step()
+        params = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.optimizer.zero_grad()
+        return {"norm": norm, "params": params}
 
 
-def _deviation(a: Any, b: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (a.double() - b.double()).abs()
-    if isinstance(a, float):
-        return abs(a - b)
-    return None
+def _max_dev(values: Sequence[Any], ref: Any) -> Any:
+    if ref is None:
+        return None
+    if isinstance(ref, torch.Tensor):
+        out = torch.zeros_like(ref, dtype=torch.float64)
+        for v in values:
+            if v is not None:
+                out = torch.maximum(out, (v.double() - ref.double()).abs())
+        return out
+    return max((abs(v - ref) for v in values), default=0.0)
 
 
-def sensitivity_bands(reference: list[dict], perturbed: Sequence[list[dict]]) -> list[dict]:
-    """Per step, the largest deviation of each recorded quantity of the ``perturbed`` runs from
-    the ``reference`` run: ``{"loss": float, "norm": float | None, "grads": {name: Tensor},
-    "params": {name: Tensor}}`` (elementwise, float64), the shape of the records."""
-    bands = []
-    for step, ref in enumerate(reference):
-        band: dict[str, Any] = {"loss": 0.0, "norm": 0.0 if ref.get("norm") is not None else None, "grads": {}, "params": {}}
-        for run in perturbed:
-            rec = run[step]
-            band["loss"] = max(band["loss"], abs(rec["loss"] - ref["loss"]))
-            if band["norm"] is not None:
-                band["norm"] = max(band["norm"], abs(rec["norm"] - ref["norm"]))
-            for kind in ("grads", "params"):
-                for name, value in ref[kind].items():
-                    if value is None or rec[kind].get(name) is None:
-                        continue
-                    dev = _deviation(rec[kind][name], value)
-                    old = band[kind].get(name)
-                    band[kind][name] = dev if old is None else torch.maximum(old, dev)
+def reference_with_bands(make_run, steps: int, rtol: float) -> tuple[list[dict], list[dict]]:
+    """The single-process run's records and their sensitivity bands (module docstring, rule 2).
+
+    Args:
+        make_run: builds a fresh :class:`ReferenceRun` (the same seed each time: four are built).
+        steps: optimizer steps.
+        rtol: the gradient tolerance of rule 1.
+
+    Returns:
+        ``(records, bands)``, one dict per step each: ``{"loss", "grads", "params", "norm"}``
+        (bands elementwise, float64).
+
+    Raises:
+        NotComparable: the copies' losses spread by more than ``CHAOS`` relative (rule 3).
+    """
+    runs = [make_run() for _ in range(1 + len(PERTURBATIONS))]
+    records, bands = [], []
+    for step in range(steps):
+        back = [run.backward(step) for run in runs]
+        ref = back[0]
+        band: dict[str, Any] = {"loss": _max_dev([b["loss"] for b in back[1:]], ref["loss"]), "grads": {}}
+        for name, g in ref["grads"].items():
+            band["grads"][name] = _max_dev([b["grads"][name] for b in back[1:]], g)
+        if band["loss"] > CHAOS * max(abs(ref["loss"]), 1e-30):
+            raise NotComparable(
+                f"step {step}: the single-process run is scattered by rounding alone: moving its gradients within the "
+                f"tolerance (rtol {rtol:g}) moves the loss {ref['loss']:.6g} by {band['loss']:.3g} (relative "
+                f"{band['loss'] / max(abs(ref['loss']), 1e-30):.1e} > {CHAOS:g}), so fp32 training is chaotic there and no "
+                "sharded run can be compared with it. Fix: fewer steps, a smaller learning rate, or float64")
+        floor = gradient_floor(ref["grads"].values())
+        for run, sign in zip(runs[1:], PERTURBATIONS):
+            for index, (name, p) in enumerate(run.named):
+                g = ref["grads"].get(name)
+                if g is None:
+                    continue
+                edge = rtol * max(_scale(g), floor) + band["grads"][name].to(g.dtype).to(g.device)
+                p.grad = g + _pattern(sign, g, step, index) * edge
+        ups = [run.update() for run in runs]
+        band["norm"] = _max_dev([u["norm"] for u in ups[1:]], ups[0]["norm"])
+        band["params"] = {name: _max_dev([u["params"][name] for u in ups[1:]], v) for name, v in ups[0]["params"].items()}
+        records.append({**ref, **ups[0]})
         bands.append(band)
-    return bands
+    return records, bands
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str, step: int,
