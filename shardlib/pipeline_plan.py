@@ -93,6 +93,7 @@ class PipelinePlan:
             model's ``config.n_embd``, ``hidden_size`` or ``d_model``); None when unknown.
         state_names: every stage's parameters (with tied aliases) and persistent buffers, as
             :class:`~shardlib.state_names.StateName` s: what a checkpoint of the whole model holds.
+        model_name: the class name of the model planned (for messages).
         mesh: the mesh (not part of equality; kept for :meth:`apply`).
 
     Example:
@@ -116,6 +117,7 @@ class PipelinePlan:
     tied: tuple[tuple[tuple[str, ...], int], ...] = ()
     activation_width: int | None = None
     state_names: tuple = ()  # StateName of every stage's parameters and persistent buffers (checkpoint checks)
+    model_name: str = ""  # the class name of the model planned (for messages)
     mesh: Any = field(compare=False, repr=False, default=None)
 
     @property
@@ -316,7 +318,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
         stages.append(dataclasses.replace(stage_plan, **sp_fields[r]) if sp_fields else stage_plan)
     return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
                         stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
-                        activation_width=_activation_width(model), state_names=_state_names(whole, modules), mesh=mesh)
+                        activation_width=_activation_width(model), state_names=_state_names(whole, modules),
+                        model_name=type(model).__name__, mesh=mesh)
 
 
 def _state_names(whole: "Plan", modules: list[Stage]) -> tuple:

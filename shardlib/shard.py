@@ -129,6 +129,11 @@ class ShardedModule(nn.Module):
         self._zero.zero_grad()
 
     @property
+    def model_name(self) -> str:
+        """The class name of the model that was sharded (for messages)."""
+        return type(self.module).__name__
+
+    @property
     def model_state_names(self) -> tuple[StateName, ...]:
         """Every parameter (canonical name, tied aliases, global shape) and persistent buffer of
         the whole model, the same on every rank (a pipeline's: every stage's)."""
@@ -201,6 +206,11 @@ class PipelineModule(ShardedModule):
         self.schedule = pplan.schedule
         self.stage_layers = [list(layers) for layers in pplan.stage_layers]
         self.stage_bytes = list(pplan.stage_param_bytes)
+
+    @property
+    def model_name(self) -> str:
+        """The class name of the whole model (this rank holds a Stage of it)."""
+        return self.pipeline_plan.model_name or type(self.module).__name__
 
     @property
     def model_state_names(self) -> tuple[StateName, ...]:

@@ -364,7 +364,7 @@ def test_bad_loads_raise_on_every_rank(tmp_path):
     for messages in run_on(2, _bad_loads, path):  # both ranks raise, and the pool is not stuck
         shape, missing, other_optimizer, lr = messages
         assert "wte.weight: shape (37, 12) here, (37, 10) in the checkpoint" in shape and path in shape
-        assert "parameter gain (6,) is not in the checkpoint" in missing
+        assert "3 of the model's entries are not in the checkpoint: gain (6,), lin.weight (5, 6)" in missing
         assert "torch.optim.adamw.AdamW optimizer, but the optimizer given is a torch.optim.sgd.SGD" in other_optimizer
         assert lr == 0.5  # untouched
 

@@ -2,6 +2,7 @@
 of the loading model holds and entries it lacks are refused, naming them, unless
 ``strict=False``; a pipeline stage's missing entries are held by another stage."""
 
+import functools
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import shardlib
 import shardlib.checkpoint as ckpt
 from shardlib.errors import WorkerError
+from shardlib.models import GPT, GPTConfig
 from shardlib.testing import run_on
 from test_checkpoint import _read_whole, _round_trip, _save_side, _shard, _step
 
@@ -86,8 +88,8 @@ def test_smaller_model_into_bigger_is_refused_unless_not_strict(tmp_path):
     saved, _ = run_on(2, _save_side, p1, "layers2", {"dp": 2}, 3, 400)[0]
     for message in run_on(2, _load_layers, p1, p2, "layers4", {"dp": 2}, True):
         assert isinstance(message, str)
-        assert "parameter blocks.2.ln_1.weight (16,) is not in the checkpoint" in message
-        assert "; ... 24 more. Fix: build the model the checkpoint was saved from" in message  # 32 missing, 8 shown
+        assert "32 of the model's entries are not in the checkpoint: blocks.2.ln_1.weight (16,), " in message
+        assert ", ... 27 more. Fix: build the model the checkpoint was saved from" in message  # 5 shown
     loaded = run_on(2, _load_layers, p1, p2, "layers4", {"dp": 2}, False)
     _check_common_part(tmp_path, p1, p2, saved, loaded[0])
 
@@ -110,7 +112,77 @@ def test_pipeline_checks_the_whole_model(tmp_path):
     assert "32 of its entries are in no rank's part of the model: blocks.2.ln_1.weight (16,)" in fewer[0]
     more = run_on(2, _load_layers, small, unused, "layers4", {"pp": 2}, True)
     assert isinstance(more[0], str) and more[0] == more[1]
-    assert "parameter blocks.2.ln_1.weight (16,) is not in the checkpoint" in more[0]
+    assert "32 of the model's entries are not in the checkpoint: blocks.2.ln_1.weight (16,)" in more[0]
+    assert more[0].startswith(f"checkpoint {small!r} does not fit GPT: ")  # the model's name, not Stage
 
 
 # -- exact resume ----------------------------------------------------------------------------------
+
+
+class _Wrapped(torch.nn.Module):
+    """The reference GPT one level down (``model.wte.weight``), as a user's wrapper holds it."""
+
+    def __init__(self, tie=True):
+        super().__init__()
+        torch.manual_seed(3)
+        self.model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=tie))
+
+    def forward(self, x, y):
+        return self.model(x, y)
+
+
+def _untied(tie):
+    torch.manual_seed(5)
+    return GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=tie))
+
+
+def _save_model(path, make):
+    smodel = shardlib.shard(make(), shardlib.init_mesh({"dp": 2}), zero_stage=3)
+    ckpt.save(path, smodel)
+    return shardlib.full_state_dict(smodel)
+
+
+def _try_load(path, make, strict):
+    import warnings
+
+    smodel = shardlib.shard(make(), shardlib.init_mesh({"dp": 2}), zero_stage=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ckpt.load(path, smodel, strict=strict)
+        except ckpt.CheckpointError as exc:
+            return "error", str(exc), [str(w.message) for w in caught]
+    return "loaded", shardlib.full_state_dict(smodel), [str(w.message) for w in caught]
+
+
+def test_an_untied_checkpoint_into_a_tied_model_is_refused(tmp_path):
+    """Regression (review): an untied GPT's checkpoint (``wte`` and ``lm_head`` apart) loaded
+    into a tied GPT kept ``wte`` and dropped the saved ``lm_head`` without a word. Strict: refused,
+    naming both; ``strict=False``: loads ``wte`` into the tied tensor and warns what it drops."""
+    path = str(tmp_path / "untied")
+    saved = run_on(2, _save_model, path, functools.partial(_untied, False))[0]
+    assert not torch.equal(saved["wte.weight"], saved["lm_head.weight"])
+    for kind, message, _ in run_on(2, _try_load, path, functools.partial(_untied, True), True):
+        assert kind == "error"
+        assert ("wte.weight = lm_head.weight is one tied parameter here, but the checkpoint holds wte.weight and "
+                "lm_head.weight as separate tensors (an untied model's): loading would keep wte.weight and drop "
+                "lm_head.weight") in message and "pass strict=False" in message
+    results = run_on(2, _try_load, path, functools.partial(_untied, True), False)
+    kind, full, warned = results[0]
+    assert kind == "loaded" and torch.equal(full["wte.weight"], saved["wte.weight"])
+    assert len(warned) == 1 and "skips: wte.weight = lm_head.weight is one tied parameter here" in warned[0]
+    assert results[1][2] == []  # warned once, by rank 0
+
+
+def test_a_wrapped_model_names_the_prefix_and_strict_false_refuses_to_load_nothing(tmp_path):
+    """Regression (review): a checkpoint of ``GPT`` loaded into a wrapper holding it as ``model``
+    listed 8 missing names with the reason last; the message now starts with the prefix. With
+    ``strict=False`` nothing would load: refused too, instead of returning as if loaded."""
+    path = str(tmp_path / "plain")
+    run_on(2, _save_model, path, functools.partial(_untied, True))
+    for kind, message, _ in run_on(2, _try_load, path, _Wrapped, True):
+        assert kind == "error"
+        assert message.startswith(f"checkpoint {path!r} does not fit _Wrapped: this model's names are the checkpoint's "
+                                  "with the prefix 'model.' (it needs 'model."), message
+    for kind, message, _ in run_on(2, _try_load, path, _Wrapped, False):
+        assert kind == "error" and "none of its entries has a name of _Wrapped, so even with strict=False" in message

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -264,8 +265,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             load_state_dict(strict=True)``). If False, only the entries both have are loaded
             (weights and their optimizer state); the model's other parameters and buffers keep
             their values, and their optimizer state starts from zero (moments; the step count is
-            that of their flat chunk), the checkpoint's other entries are ignored. Shapes must
-            agree either way. The returned ``extra`` is the saved one in both cases.
+            that of their flat chunk), the checkpoint's other entries are ignored, and rank 0
+            warns what was skipped (``UserWarning``). Shapes must agree either way. The returned
+            ``extra`` is the saved one in both cases.
 
     Returns:
         The ``extra`` dict given to :func:`save` (``{}`` if none).
@@ -276,7 +278,10 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             buffer or per-element optimizer state of another global shape; with ``strict``, a
             parameter or buffer missing from the checkpoint, or checkpoint entries that no rank
             of the model holds (a checkpoint of a model with more layers: named, a few and the
-            count); ``optimizer`` given but the checkpoint has no optimizer state, or the state of
+            count), or a parameter tied here (embedding and LM head) that the checkpoint holds as
+            separate tensors; a prefix that tells all names apart (a wrapped model) is named
+            first; with ``strict=False``, a checkpoint none of whose entries has a name of the
+            model; ``optimizer`` given but the checkpoint has no optimizer state, or the state of
             another optimizer class (AdamW saved, SGD given).
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
     """
@@ -294,13 +299,23 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             f"checkpoint {path!r} holds the state of a {info['optimizer_class']} optimizer, but the optimizer given is a "
             f"{_optimizer_kind(inner)}: its state and hyperparameters would not fit. Fix: build the ZeroOptimizer with "
             f"{info['optimizer_class']}, or call load() without optimizer (weights only)")
-    problems, names_differ = fit_problems(smodel, saved, inner is not None, strict)  # the whole model: every rank
+    problems, names_differ, skipped = fit_problems(smodel, saved, inner is not None, strict)  # the whole model
+    model = smodel.model_name
     if problems:
         shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
         fix = "build the model the checkpoint was saved from (the same layers, names and shapes)"
         if names_differ:
             fix += ", or pass strict=False to load only the entries both have (their shapes must still agree)"
-        raise CheckpointError(f"checkpoint {path!r} does not fit {type(smodel.module).__name__}: {shown}. Fix: {fix}")
+        raise CheckpointError(f"checkpoint {path!r} does not fit {model}: {shown}. Fix: {fix}")
+    if skipped:
+        held = {n for state in smodel.model_state_names for n in state.names}
+        if not any(k.startswith("model.") and k[len("model."):] in held for k in saved):
+            raise CheckpointError(
+                f"checkpoint {path!r}: none of its entries has a name of {model}, so even with strict=False nothing would "
+                f"load: {'; '.join(skipped)}. Fix: load it into the model it was saved from, or rename its entries")
+        if dist.get_rank() == 0:
+            warnings.warn(f"checkpoint.load({path!r}, strict=False) into {model} skips: {'; '.join(skipped)}",
+                          stacklevel=2)
     zero = smodel._zero
     sd: dict[str, Any] = {}
     updated = _optimizer_params(smodel, inner) if inner is not None else {}

@@ -42,35 +42,70 @@ def unclaimed_entries(saved: dict[str, Any], claimed: set[str]) -> tuple[dict[st
     return out, optimizer_state
 
 
-def fit_problems(smodel: Any, saved: dict[str, Any], optimizer: bool, strict: bool) -> tuple[list[str], bool]:
+def _listing(items: list[str]) -> str:
+    more = f", ... {len(items) - SHOWN} more" if len(items) > SHOWN else ""
+    return ", ".join(items[:SHOWN]) + more
+
+
+def _renamed(missing: list[str], unclaimed: list[str]) -> str | None:
+    """A phrase when every missing name is an unclaimed one with a prefix added or removed (a
+    model wrapped in, or unwrapped from, another module), else None."""
+    if not missing or len(missing) != len(unclaimed):
+        return None
+    m, u = sorted(missing, key=len)[0], None
+    for cand in unclaimed:
+        if cand.endswith("." + m) or m.endswith("." + cand):
+            u = cand
+            break
+    if u is None:
+        return None
+    if u.endswith("." + m):  # the checkpoint has a prefix the model lacks
+        prefix = u[: -len(m)]
+        if {prefix + x for x in missing} == set(unclaimed):
+            return (f"the checkpoint's names are this model's with the prefix {prefix!r} (it holds {u!r} for {m!r}): "
+                    f"it was saved from a module that wraps this one")
+    else:
+        prefix = m[: -len(u)]
+        if {prefix + x for x in unclaimed} == set(missing):
+            return (f"this model's names are the checkpoint's with the prefix {prefix!r} (it needs {m!r}, the checkpoint "
+                    f"holds {u!r}): the checkpoint was saved from the module this one wraps")
+    return None
+
+
+def fit_problems(smodel: Any, saved: dict[str, Any], optimizer: bool, strict: bool) -> tuple[list[str], bool, list[str]]:
     """What keeps the checkpoint with metadata ``saved`` from loading into ``smodel``.
 
     Args:
         smodel: the sharded module (its ``model_state_names`` cover the whole model).
         saved: DCP's ``state_dict_metadata`` of the checkpoint.
         optimizer: whether an optimizer's state is being loaded too (its shapes are checked).
-        strict: also report the model's entries missing from the checkpoint and the
-            checkpoint's entries no rank holds.
+        strict: also refuse the model's entries missing from the checkpoint, the checkpoint's
+            entries no rank holds, and a tied parameter saved as separate tensors.
 
     Returns:
-        ``(problems, names)``: one line per problem, in a stable order (the same on every rank),
-        and whether a missing or unclaimed entry is among them (``strict=False`` would skip it).
+        ``(problems, names_differ, skipped)``: one line per problem, summaries first, in a stable
+        order (the same on every rank); whether a name difference is among them (``strict=False``
+        would skip it); and, under ``strict=False``, the lines saying what will be skipped.
     """
-    problems: list[str] = []
-    names_differ = False
+    shapes: list[str] = []
+    missing: list[tuple[str, str]] = []  # (name, "name (shape)")
+    tied: list[str] = []
     claimed: set[str] = set()
     for state in smodel.model_state_names:
         claimed.update(state.names)
         label = state.names[0]
-        key = next((n for n in state.names if f"model.{n}" in saved), None)
-        if key is None:
-            if strict:
-                problems.append(f"{state.kind} {label} {state.shape} is not in the checkpoint")
-                names_differ = True
+        present = [n for n in state.names if f"model.{n}" in saved]
+        if not present:
+            missing.append((label, f"{label} {state.shape}"))
             continue
+        if len(present) > 1:
+            tied.append(f"{' = '.join(state.names)} is one tied parameter here, but the checkpoint holds "
+                        f"{' and '.join(present)} as separate tensors (an untied model's): loading would keep "
+                        f"{present[0]} and drop {', '.join(present[1:])}")
+        key = present[0]
         md = saved[f"model.{key}"]
         if not isinstance(md, TensorStorageMetadata) or _size(md) != state.shape:
-            problems.append(f"{state.kind} {label}: shape {state.shape} here, {_size(md)} in the checkpoint")
+            shapes.append(f"{state.kind} {label}: shape {state.shape} here, {_size(md)} in the checkpoint")
             continue
         if not optimizer or state.kind != "parameter":
             continue
@@ -79,14 +114,22 @@ def fit_problems(smodel: Any, saved: dict[str, Any], optimizer: bool, strict: bo
             rest = skey[len(prefix):]
             if (skey.startswith(prefix) and "." not in rest and isinstance(md, TensorStorageMetadata)
                     and len(md.size) > 0 and _size(md) != state.shape):
-                problems.append(f"optimizer state {rest!r} of {label}: shape {_size(md)} in the checkpoint, "
-                                f"neither {state.shape} nor a scalar")
+                shapes.append(f"optimizer state {rest!r} of {label}: shape {_size(md)} in the checkpoint, "
+                              f"neither {state.shape} nor a scalar")
+    unclaimed, with_state = unclaimed_entries(saved, claimed)
+    names: list[str] = []
+    renamed = _renamed([n for n, _ in missing], list(unclaimed))
+    if renamed:
+        names.append(renamed)
+    names += tied
+    if unclaimed:
+        listed = [f"{name} {shape}" if shape is not None else name for name, shape in unclaimed.items()]
+        names.append(f"{len(unclaimed)} of its entries {'is' if len(unclaimed) == 1 else 'are'} in no rank's part of "
+                     f"the model: {_listing(listed)}"
+                     f"{' (with their optimizer state)' if with_state else ''}")
+    if missing:
+        names.append(f"{len(missing)} of the model's entries {'is' if len(missing) == 1 else 'are'} not in the "
+                     f"checkpoint: {_listing([t for _, t in missing])}")
     if strict:
-        unclaimed, with_state = unclaimed_entries(saved, claimed)
-        if unclaimed:
-            listed = [f"{name} {shape}" if shape is not None else name for name, shape in list(unclaimed.items())[:SHOWN]]
-            more = f", ... {len(unclaimed) - SHOWN} more" if len(unclaimed) > SHOWN else ""
-            problems.append(f"{len(unclaimed)} of its entries are in no rank's part of the model: {', '.join(listed)}"
-                            f"{more}{' (with their optimizer state)' if with_state else ''}")
-            names_differ = True
-    return problems, names_differ
+        return names + shapes, bool(names), []
+    return shapes, False, names
