@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import ArgumentParser, main_guard
+from shardlib.cli import ArgumentParser, main_guard, positive_int
 from shardlib.data import ByteCorpus, open_corpus
 from shardlib.models import GPT, GPTConfig, gpt_preset
 from shardlib.random import mesh_independent_dropout
@@ -48,24 +48,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"],
                    help="pipeline schedule when the mesh has a pp axis")
-    p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step")
+    p.add_argument("--microbatches", type=positive_int, default=4, help="pipeline microbatches per step")
     p.add_argument("--timeline", default="runs/timeline.svg", help="pipeline timeline picture of the last step")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism on the tp axis (norms/dropout on sequence shards)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size (sequences per step)")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="GLOBAL batch size (sequences per step)")
+    p.add_argument("--block-size", type=positive_int, default=128)
+    p.add_argument("--n-layer", type=positive_int, default=4)
+    p.add_argument("--n-head", type=positive_int, default=4)
+    p.add_argument("--n-embd", type=positive_int, default=128)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to lr/10")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-every", type=positive_int, default=100)
+    p.add_argument("--eval-batches", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="replay the first N steps unsharded on rank 0 and compare losses")
@@ -93,6 +93,8 @@ def parse_mesh(text: str | None) -> dict[str, int]:
         name, _, size = item.partition("=")
         if not size.strip().isdigit():
             raise SystemExit(f"--mesh {text!r}: expected axis=size pairs such as dp=2,tp=2")
+        if name.strip() in shape:
+            raise SystemExit(f"--mesh {text!r}: axis {name.strip()!r} is given twice; name each axis once, e.g. dp=2,tp=2")
         shape[name.strip()] = int(size)
     return shape
 
@@ -253,6 +255,9 @@ def global_mean(loss: torch.Tensor, smodel) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.eval_only and not args.resume:
+        raise SystemExit("--eval-only evaluates a trained model: it needs --resume CHECKPOINT (without it the model "
+                         "is freshly initialized)")
     mesh = shardlib.init_mesh(parse_mesh(args.mesh))
     is_main = mesh.rank == 0
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

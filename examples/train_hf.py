@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import ArgumentParser, main_guard
+from shardlib.cli import ArgumentParser, main_guard, positive_int
 from shardlib.data import open_corpus
 from shardlib.models import gpt2_preset, llama_preset
 
@@ -35,14 +35,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, help="e.g. dp=2,tp=2 (default: dp=WORLD_SIZE)")
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=16, help="global sequences per step")
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="global sequences per step")
+    p.add_argument("--block-size", type=positive_int, default=128)
+    p.add_argument("--hidden", type=positive_int, default=128)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Callable
 
-__all__ = ["ArgumentParser", "main_guard", "CONFIG_ERRORS"]
+__all__ = ["ArgumentParser", "main_guard", "positive_int", "CONFIG_ERRORS"]
 
 # What a bad configuration raises before training: plan checks (ShardingError and
 # CheckpointError are ValueErrors), bad values (ValueError), missing files (FileNotFoundError);
@@ -27,9 +27,26 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, "", argparse.SUPPRESS):
+        if "default" in text.lower() or _no_default(action.default):
             return text
         return super()._get_help_string(action)
+
+
+def _no_default(value) -> bool:
+    """None, False, "" or SUPPRESS: nothing worth showing (0 and 0.0 are shown)."""
+    return value is None or value is False or value == "" or value is argparse.SUPPRESS
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer > 0 (``--steps 0`` is refused at parse time, not by a
+    crash after training)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -42,7 +59,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
-        if "help" not in kwargs and kwargs.get("default") not in (None, False):
+        if "help" not in kwargs and not _no_default(kwargs.get("default")):
             kwargs["help"] = "(default: %(default)s)"  # argparse shows no default for an option without help
         return super().add_argument(*args, **kwargs)
 

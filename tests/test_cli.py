@@ -25,13 +25,18 @@ def _torchrun(tmp_path, *args):
     (("--zero-stage", "5"), "train_gpt.py: error: argument --zero-stage: invalid choice: 5"),
     (("--val-files", "hamlet.txt"), "held-out files hamlet.txt (--val-files) name files of a --data folder"),
     (("--mesh", "dp=1,tp=2", "--n-head", "1"), "ShardingError: attention blocks.0.attn"),
+    # found by a review: these crashed after training, with a traceback per rank, or misled
+    (("--steps", "0"), "argument --steps: expected a positive integer, got 0"),
+    (("--n-layer", "0"), "argument --n-layer: expected a positive integer, got 0"),
+    (("--mesh", "dp=2,dp=1"), "--mesh 'dp=2,dp=1': axis 'dp' is given twice"),
+    (("--eval-only",), "--eval-only evaluates a trained model: it needs --resume CHECKPOINT"),
 ])
 def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message):
     out = _torchrun(tmp_path, *args)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("train_gpt.py: error")]
     assert len(ours) == 1 and message in ours[0], out.stderr[-3000:]
-    assert "Fix:" in ours[0] or "see --help" in ours[0]
+    assert "Fix:" in ours[0] or "see --help" in ours[0] or "--mesh" in ours[0] or "--resume" in ours[0]
     # no rank's traceback and no recorded error file (torchrun's own ChildFailedError summary remains)
     assert "[rank" not in out.stderr and 'train_gpt.py", line' not in out.stderr, out.stderr[-3000:]
     assert "error_file: <N/A>" in out.stderr
@@ -44,6 +49,7 @@ def test_help_shows_the_defaults():
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
     assert "--zero-stage {0,1,2,3} (default: 3)" in text and "--lr LR (default: 0.002)" in text
+    assert "--dropout DROPOUT (default: 0.0)" in text  # a zero default is a default (0.0 == False)
     assert "../shared" not in out.stdout
 
 
