@@ -30,7 +30,10 @@ The model here:
    extremes of what any admissible gradients reach, so the band bounds the sharded run's
    deviation: tiny for a well-conditioned element, up to ``2 lr`` for an AdamW or Adagrad
    element whose gradient is noise (its sign is arbitrary). The bound is ``rtol * scale +
-   SAFETY * band`` elementwise.
+   SAFETY * band`` elementwise. An element whose reference gradient was, at some step, within
+   that edge of zero has an update of undetermined sign (weight decay or an optimizer state may
+   then carry either sign on), so from then on its band is at least twice the distance the
+   copies moved it.
 3. **A trajectory that rounding alone scatters is not compared.** If the copies' losses spread
    by more than ``CHAOS`` (relative) at some step, fp32 training is chaotic there (a large
    learning rate over many steps): no sharded run could be held to the single-process one, and
@@ -55,7 +58,7 @@ __all__ = ["FLOOR", "SAFETY", "CHAOS", "PERTURBATIONS", "NotComparable", "Refere
 
 FLOOR = 1e-3  # a gradient tensor below this fraction of the largest one is compared at that floor
 SAFETY = 2.0  # the band is measured at the edges; twice it covers updates that are not monotone
-CHAOS = 1e-4  # relative loss spread of the band copies beyond which a step is not comparable (10 x fp32's rtol)
+CHAOS = 1e-3  # relative loss spread of the band copies beyond which a step is not comparable
 PERTURBATIONS = (1, -1, "random")  # the gradient perturbations of the three band copies
 
 
@@ -140,6 +143,10 @@ def reference_with_bands(make_run, steps: int, rtol: float) -> tuple[list[dict],
     """
     runs = [make_run() for _ in range(1 + len(PERTURBATIONS))]
     records, bands = [], []
+    noise: dict[str, torch.Tensor] = {}  # elements whose gradient was once within tolerance of zero
+    travel: dict[str, torch.Tensor] = {}  # per element, the sum over steps of the largest move of any copy
+    before = {k: v.detach().double().clone() for k, v in runs[0].model.state_dict().items()}
+    before = [before] + [{k: v.detach().double().clone() for k, v in r.model.state_dict().items()} for r in runs[1:]]
     for step in range(steps):
         back = [run.backward(step) for run in runs]
         ref = back[0]
@@ -153,16 +160,30 @@ def reference_with_bands(make_run, steps: int, rtol: float) -> tuple[list[dict],
                 f"{band['loss'] / max(abs(ref['loss']), 1e-30):.1e} > {CHAOS:g}), so fp32 training is chaotic there and no "
                 "sharded run can be compared with it. Fix: fewer steps, a smaller learning rate, or float64")
         floor = gradient_floor(ref["grads"].values())
+        edges = {}
+        for name, g in ref["grads"].items():
+            if g is not None:
+                edges[name] = rtol * max(_scale(g), floor) + band["grads"][name].to(g.dtype).to(g.device)
+                unsigned = g.double().abs() <= edges[name].double()  # its sign is not determined
+                noise[name] = unsigned if name not in noise else noise[name] | unsigned
         for run, sign in zip(runs[1:], PERTURBATIONS):
             for index, (name, p) in enumerate(run.named):
                 g = ref["grads"].get(name)
-                if g is None:
-                    continue
-                edge = rtol * max(_scale(g), floor) + band["grads"][name].to(g.dtype).to(g.device)
-                p.grad = g + _pattern(sign, g, step, index) * edge
+                if g is not None:
+                    p.grad = g + _pattern(sign, g, step, index) * edges[name]
         ups = [run.update() for run in runs]
         band["norm"] = _max_dev([u["norm"] for u in ups[1:]], ups[0]["norm"])
-        band["params"] = {name: _max_dev([u["params"][name] for u in ups[1:]], v) for name, v in ups[0]["params"].items()}
+        band["params"] = {}
+        for name, v in ups[0]["params"].items():
+            moved = (v.double() - before[0][name]).abs()
+            for u, old in zip(ups[1:], before[1:]):
+                moved = torch.maximum(moved, (u["params"][name].double() - old[name]).abs())
+            travel[name] = moved if name not in travel else travel[name] + moved
+            b = _max_dev([u["params"][name] for u in ups[1:]], v)
+            if name in noise:  # an update of undetermined sign: anywhere within twice the distance travelled
+                b = torch.where(noise[name].to(b.device), torch.maximum(b, 2 * travel[name]), b)
+            band["params"][name] = b
+        before = [{k: t.detach().double().clone() for k, t in u["params"].items()} for u in ups]
         records.append({**ref, **ups[0]})
         bands.append(band)
     return records, bands
