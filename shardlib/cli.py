@@ -19,6 +19,7 @@ __all__ = ["ArgumentParser", "main_guard", "positive_int", "CONFIG_ERRORS"]
 # CheckpointError are ValueErrors), bad values (ValueError), missing files (FileNotFoundError);
 # and a script's own ``raise SystemExit("message")``.
 CONFIG_ERRORS = (ValueError, FileNotFoundError)
+_QUIET_EXIT_DELAY_S = 3.0  # a rank that does not print waits this long, so torchrun does not kill the printer first
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -128,8 +129,6 @@ def main_guard(main: Callable[[], int | None], prog: str | None = None) -> int:
             message = f"{prog}: error{where}: {message}"
         print(message, file=sys.stderr, flush=True)
     else:
-        time.sleep(_QUIET_EXIT_DELAY_S)  # torchrun stops every rank when the first exits: let the printer print
+        time.sleep(_QUIET_EXIT_DELAY_S)
     return 2
 
-
-_QUIET_EXIT_DELAY_S = 3.0

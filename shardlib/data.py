@@ -216,4 +216,3 @@ def open_corpus(path: str | Path | None, val_files: Sequence[str] = ()) -> ByteC
                 "Fix: pass --data FOLDER with those files, or drop --val-files")
         return default_corpus()
     return load_corpus(path, val_files=tuple(val_files))
-

@@ -143,9 +143,9 @@ def check_elementwise(optimizer_cls: Any, optimizer_kwargs: dict) -> None:
         f", or, if {short}'s update is elementwise at every size and step, declare it with "
         f"{short}.shardlib_elementwise = True (set on the class itself; subclasses do not inherit it)")
     if why is None:
-        found = (f"a probe on a few float64 parameters and their flat concatenation cut in two found no difference, "
-                 f"but that cannot prove an update elementwise at other sizes or steps, and shardlib does not run what "
-                 f"it cannot prove exact")
+        found = ("a probe on a few float64 parameters and their flat concatenation cut in two found no difference, "
+                 "but that cannot prove an update elementwise at other sizes or steps, and shardlib does not run what "
+                 "it cannot prove exact")
     else:
         found = f"on a few float64 parameters and their flat concatenation cut in two it {why}"
     raise NotElementwiseError(

@@ -35,6 +35,7 @@ from .lowering import lower
 from .mesh.mesh import AbstractMesh
 from .parallel.pipeline import Stage, partition
 from .parallel.schedules import Simulation, bubble_fraction, build_schedule, format_grid, simulate
+from .state_names import model_state_names
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -324,8 +325,6 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
 
 def _state_names(whole: "Plan", modules: list[Stage]) -> tuple:
     """The whole model's state as the stages hold it: what a checkpoint load checks against."""
-    from .state_names import model_state_names
-
     held = {name for st in modules for name, _ in st.named_parameters(remove_duplicate=False)}
     return model_state_names(whole.params, modules, held)
 

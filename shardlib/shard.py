@@ -9,7 +9,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ShardingError
 from .mesh.regions import _uneven_gather
 from .spec import shard_range
 from .parallel.tensor_lower import lower_tensor_parallel
@@ -47,6 +46,7 @@ class ShardedModule(nn.Module):
         self.mesh = plan.mesh
         # Fixed lowering order: dropout first (the sequence-parallel entry hooks onto the new
         # module), then tensor parallelism (swaps modules), then ZeRO (packs the local params).
+        self._model_name = type(module).__name__  # before the root itself may become a parallel layer
         self._dropouts = mesh_independent_dropout(module, seed=plan.dropout_seed)
         module, self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
         self.module = module  # a new object only when the root itself is a parallel layer
@@ -74,15 +74,15 @@ class ShardedModule(nn.Module):
             args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
         zero.root_pre_forward()
         try:
+            if not torch.is_grad_enabled():  # nothing is saved for backward
+                return self.module(*args, **kwargs)
             inner = (zero.pack, zero.unpack) if zero.stage == 3 else None
-            off = current_activation_offload() or self._own_offload
-            if torch.is_grad_enabled():
-                self._last_offload = off
-            if off is not None and torch.is_grad_enabled():
+            off = self._last_offload = current_activation_offload() or self._own_offload
+            if off is not None:
                 off.begin_forward()
                 with off.apply(inner, self._chunk_storage_test()):
                     return self.module(*args, **kwargs)
-            if inner is not None and torch.is_grad_enabled():
+            if inner is not None:
                 with torch.autograd.graph.saved_tensors_hooks(*inner):
                     return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
@@ -131,7 +131,7 @@ class ShardedModule(nn.Module):
     @property
     def model_name(self) -> str:
         """The class name of the model that was sharded (for messages)."""
-        return type(self.module).__name__
+        return self._model_name
 
     @property
     def model_state_names(self) -> tuple[StateName, ...]:
@@ -210,7 +210,7 @@ class PipelineModule(ShardedModule):
     @property
     def model_name(self) -> str:
         """The class name of the whole model (this rank holds a Stage of it)."""
-        return self.pipeline_plan.model_name or type(self.module).__name__
+        return self.pipeline_plan.model_name or self._model_name
 
     @property
     def model_state_names(self) -> tuple[StateName, ...]:

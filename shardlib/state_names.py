@@ -1,8 +1,8 @@
 """The names a model's state lives under: parameters (with their tied aliases) and persistent
 buffers, over the whole model, for checks that must agree on every rank (a checkpoint load).
 
-A pipeline stage holds only its own layers, so what the *model* has is computed at shard time,
-when the whole model is known (:func:`shardlib.shard` stores it on the sharded module as
+A pipeline stage holds only its own layers, so what the *model* has is computed at plan time,
+when the whole model is known (``PipelinePlan.state_names``; a sharded module's
 ``model_state_names``); every rank then checks against the same list without communicating.
 """
 

@@ -307,15 +307,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         if names_differ:
             fix += ", or pass strict=False to load only the entries both have (their shapes must still agree)"
         raise CheckpointError(f"checkpoint {path!r} does not fit {model}: {shown}. Fix: {fix}")
-    if skipped:
-        held = {n for state in smodel.model_state_names for n in state.names}
-        if not any(k.startswith("model.") and k[len("model."):] in held for k in saved):
-            raise CheckpointError(
-                f"checkpoint {path!r}: none of its entries has a name of {model}, so even with strict=False nothing would "
-                f"load: {'; '.join(skipped)}. Fix: load it into the model it was saved from, or rename its entries")
-        if dist.get_rank() == 0:
-            warnings.warn(f"checkpoint.load({path!r}, strict=False) into {model} skips: {'; '.join(skipped)}",
-                          stacklevel=2)
+    if skipped and dist.get_rank() == 0:
+        warnings.warn(f"checkpoint.load({path!r}, strict=False) into {model} skips: {'; '.join(skipped)}", stacklevel=2)
     zero = smodel._zero
     sd: dict[str, Any] = {}
     updated = _optimizer_params(smodel, inner) if inner is not None else {}

@@ -80,7 +80,8 @@ def fit_problems(smodel: Any, saved: dict[str, Any], optimizer: bool, strict: bo
         saved: DCP's ``state_dict_metadata`` of the checkpoint.
         optimizer: whether an optimizer's state is being loaded too (its shapes are checked).
         strict: also refuse the model's entries missing from the checkpoint, the checkpoint's
-            entries no rank holds, and a tied parameter saved as separate tensors.
+            entries no rank holds, and a tied parameter saved as separate tensors; without it,
+            refuse only a checkpoint with no entry of the model at all (nothing would load).
 
     Returns:
         ``(problems, names_differ, skipped)``: one line per problem, summaries first, in a stable
@@ -132,4 +133,7 @@ def fit_problems(smodel: Any, saved: dict[str, Any], optimizer: bool, strict: bo
                      f"checkpoint: {_listing([t for _, t in missing])}")
     if strict:
         return names + shapes, bool(names), []
+    if names and len(missing) == len(smodel.model_state_names):  # strict=False, and no name in common
+        return ([f"none of its entries has a name of {smodel.model_name}, so even with strict=False nothing would load: "
+                 f"{'; '.join(names)}"] + shapes, False, [])
     return shapes, False, names

@@ -256,5 +256,3 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 600.0) -> lis
     """
     with WorkerGroup(nprocs, timeout=timeout) as group:
         return group.run(fn, *args)
-
-

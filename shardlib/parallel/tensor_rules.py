@@ -139,6 +139,7 @@ def analyze_tensor_parallel(
         if not own:
             continue
         full = {n: (f"{path}.{n}" if path else n) for n, _ in own}
+        where = path or "<root>"  # the module, in messages (the root of shard(nn.Linear(...), ...) has no path)
         w = m._parameters.get("weight")
         axis, dim = tp_axis(full["weight"], w) if w is not None else (None, None)
         for n, p in own:
@@ -148,13 +149,13 @@ def analyze_tensor_parallel(
             column_weight = axis is not None and dim == (1 if _is_conv1d(m) else 0) and not isinstance(m, nn.Embedding)
             if a is not None and n == "bias" and axis == a and not column_weight:
                 raise ShardingError(
-                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {path or '<root>'} is row parallel (mesh {mesh_shape}): "
+                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {where} is row parallel (mesh {mesh_shape}): "
                     "a row layer adds its bias once, after the reduction, so the bias is replicated. Fix: leave the bias "
                     "replicated (P())"
                 )
             if a is not None and not (n == "bias" and axis == a):
                 raise ShardingError(
-                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {type(m).__name__} {path or '<root>'} "
+                    f"{full[n]} (shape {tuple(p.shape)}) is split over {a!r}, but {type(m).__name__} {where} "
                     f"{'has no weight split over it' if n == 'bias' else 'has no tensor-parallel form for it'}. "
                     "Fix: split the weight (a bias follows its weight), or leave this parameter replicated"
                 )
@@ -163,7 +164,7 @@ def analyze_tensor_parallel(
         size = mesh_shape[axis]
         if _is_norm(m):
             raise ShardingError(
-                f"{full['weight']} (shape {tuple(w.shape)}) of the norm {path or '<root>'} is split over {axis!r}; norm weights are "
+                f"{full['weight']} (shape {tuple(w.shape)}) of the norm {where} is split over {axis!r}; norm weights are "
                 f"never split (mesh {mesh_shape}). Under sequence_parallel=True norms run on sequence shards with "
                 "replicated weights whose gradients are summed over the axis. Fix: leave the norm weight replicated (P())"
             )
@@ -171,7 +172,7 @@ def analyze_tensor_parallel(
             unsupported = [k for k in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(m, k, None)]
             if unsupported:
                 raise ShardingError(
-                    f"{full['weight']} of the embedding {path or '<root>'} is split over {axis!r}, but the embedding uses {unsupported}, "
+                    f"{full['weight']} of the embedding {where} is split over {axis!r}, but the embedding uses {unsupported}, "
                     "which the parallel embeddings do not implement. Fix: leave this embedding replicated"
                 )
             kind = "vocab" if dim == 0 else "embed_dim"
@@ -184,13 +185,13 @@ def analyze_tensor_parallel(
             k = next((v for pat, v in (fused or {}).items() if fnmatch.fnmatchcase(path, pat)), 1)
             if k > 1 and (kind != "column" or out_f % k or (out_f // k) % size):
                 raise ShardingError(
-                    f"fused layer {path or '<root>'} ({k} blocks, out_features {out_f}) must be column parallel with each block of "
+                    f"fused layer {where} ({k} blocks, out_features {out_f}) must be column parallel with each block of "
                     f"{out_f // k if out_f % k == 0 else out_f / k} features divisible by {axis!r} of size {size}"
                 )
             layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed, fused=k))
         else:
             raise ShardingError(
-                f"{full['weight']} of {type(m).__name__} {path or '<root>'} is split over {axis!r} (spec {spec_of[full['weight']][0]}), "
+                f"{full['weight']} of {type(m).__name__} {where} is split over {axis!r} (spec {spec_of[full['weight']][0]}), "
                 "but tensor parallelism lowers only Linear, Conv1D and Embedding weights. Fix: leave it replicated"
             )
         for n in full.values():

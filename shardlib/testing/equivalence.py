@@ -125,9 +125,10 @@ def assert_equivalent(
     tolerance model of :mod:`shardlib.testing.tolerance`: step 0's gradients tightly, normwise
     (``max |sharded - single| <= rtol * max |single|``; a gradient tensor below 1/1000 of the
     largest gradient's scale, pure rounding noise, is compared at that floor), and everything
-    after an optimizer step with an added band measured by rerunning the single process with
-    its gradients perturbed by that tolerance (an fp32 rounding difference in a gradient
-    element near AdamW's ``eps`` moves its weight by up to ``lr`` on any correct lowering).
+    after an optimizer step with an added band measured on three copies of the single process
+    trained in lockstep with their gradients at the edge of that tolerance (an fp32 rounding
+    difference in a gradient element near AdamW's ``eps`` moves its weight by up to ``lr`` on
+    any correct lowering).
 
     Args:
         make_model: builds the model (a picklable callable: module-level function or partial).

@@ -40,9 +40,9 @@ The model here:
    learning rate over many steps): no sharded run could be held to the single-process one, and
    the harness says so (:class:`NotComparable`) instead of passing or failing.
 
-A real error is not hidden by the band: the perturbation is at most the gradient tolerance
-(1e-5 of a tensor's scale in fp32, about 100x the rounding differences seen), well-conditioned
-elements get a band far below ``rtol * scale``, and a lowering bug (a wrong learning rate, a
+A real error is not hidden by the band: the perturbation is the gradient tolerance plus the
+gradient's own band (at step 0, 1e-5 of a tensor's scale in fp32, about 100x the rounding
+differences seen), well-conditioned elements get a band far below ``rtol * scale``, and a lowering bug (a wrong learning rate, a
 missed or doubled update, a wrong shard) moves those elements too. ``tests/test_equivalence.py``
 shows the harness failing on such bugs.
 """
@@ -115,6 +115,10 @@ class ReferenceRun:
         return {"norm": norm, "params": params}
 
 
+def _snapshot(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().double().clone() for k, v in state.items()}
+
+
 def _max_dev(values: Sequence[Any], ref: Any) -> Any:
     if ref is None:
         return None
@@ -146,8 +150,7 @@ def reference_with_bands(make_run, steps: int, rtol: float) -> tuple[list[dict],
     records, bands = [], []
     noise: dict[str, torch.Tensor] = {}  # elements whose gradient was once within tolerance of zero
     travel: dict[str, torch.Tensor] = {}  # per element, the sum over steps of the largest move of any copy
-    before = {k: v.detach().double().clone() for k, v in runs[0].model.state_dict().items()}
-    before = [before] + [{k: v.detach().double().clone() for k, v in r.model.state_dict().items()} for r in runs[1:]]
+    before = [_snapshot(run.model.state_dict()) for run in runs]  # each copy's values before the step
     for step in range(steps):
         back = [run.backward(step) for run in runs]
         ref = back[0]
@@ -184,7 +187,7 @@ def reference_with_bands(make_run, steps: int, rtol: float) -> tuple[list[dict],
             if name in noise:  # an update of undetermined sign: anywhere within twice the distance travelled
                 b = torch.where(noise[name].to(b.device), torch.maximum(b, 2 * travel[name]), b)
             band["params"][name] = b
-        before = [{k: t.detach().double().clone() for k, t in u["params"].items()} for u in ups]
+        before = [_snapshot(u["params"]) for u in ups]
         records.append({**ref, **ups[0]})
         bands.append(band)
     return records, bands
