@@ -4,7 +4,7 @@ Declare a :class:`Mesh` with named axes, put :class:`PartitionSpec` s on paramet
 :func:`shard`. This module is the whole public surface; ``__all__`` lists it.
 """
 
-from .errors import ShardingError, WorkerError
+from .errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError, ShardingError, WorkerError
 from .mesh import (
     AbstractMesh,
     Mesh,
@@ -66,6 +66,10 @@ __all__ = [
     "testing",
     "ShardingError",
     "WorkerError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "RankFailureError",
+    "CollectiveTimeoutError",
     "AbstractMesh",
     "Mesh",
     "init_mesh",

@@ -7,7 +7,15 @@ was given (parameter name, shape, spec), the mesh, the rule broken, and a fix.
 
 from __future__ import annotations
 
-__all__ = ["ShardingError", "NotElementwiseError", "WorkerError"]
+__all__ = [
+    "ShardingError",
+    "NotElementwiseError",
+    "WorkerError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "RankFailureError",
+    "CollectiveTimeoutError",
+]
 
 
 class ShardingError(ValueError):
@@ -45,3 +53,37 @@ class WorkerError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.rank, self.exc_type, self.message, self.remote_traceback, self.errors))
+
+
+class CollectiveError(RuntimeError):
+    """A collective that cannot complete because the ranks stopped doing the same thing.
+
+    Raised by every rank that reaches the failure (the message is the same on each), from the
+    collective this rank was waiting in. The message names the first collective where the
+    ranks' recorded sequences differ (kind, mesh axis, shape, dtype and call site on each rank),
+    what every rank is doing now, and the step each rank is in. After it, the process group is
+    unusable (a peer is gone, or messages are out of order): end the process.
+
+    Attributes:
+        diagnosis: the text of the diagnosis (also the message).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.diagnosis = message
+
+
+class CollectiveMismatchError(CollectiveError):
+    """The ranks of a group issued different collectives: another kind, axis, shape or dtype,
+    or one rank issued a collective the others did not (a branch on the rank or on local data:
+    uneven batches, rank-0-only evaluation, a layer run twice on one rank)."""
+
+
+class RankFailureError(CollectiveError):
+    """A peer rank is gone (its process ended or was killed) or frozen (stopped by SIGSTOP or a
+    debugger, or not answering), named by rank, host and pid."""
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective waited the whole timeout (``SHARDLIB_TIMEOUT``) while a peer was busy
+    outside any collective; the message names the peer and where it is."""

@@ -178,6 +178,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.optimizer.step()
         self._zero.after_step()
+        self._zero.mesh.trace.next_step()  # the collective trace names steps ("rank 1 finished step 7")
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -54,42 +54,108 @@ def _key(names: tuple[str, ...]) -> str:
 
 
 class Handle:
-    """An in-flight collective: ``wait()`` blocks (under the mesh timeout) and runs the follow-up."""
+    """An in-flight collective: ``wait()`` blocks (bounded, diagnosed: :mod:`.watchdog`) and runs
+    the follow-up."""
 
-    __slots__ = ("_work", "_then", "_timeout", "done")
+    __slots__ = ("_works", "_then", "_mesh", "_rec", "_p2p", "done")
 
-    def __init__(self, work=None, then=None, timeout=None):
-        self._work, self._then, self._timeout, self.done = work, then, timeout, False
+    def __init__(self, works=(), then=None, mesh=None, rec=None, p2p=False):
+        self._works, self._then, self._mesh, self._rec, self._p2p, self.done = works, then, mesh, rec, p2p, False
 
     def wait(self) -> None:
         if self.done:
             return
-        if self._work is not None:
-            self._work.wait(self._timeout)
+        if self._works:
+            wait_works(self._mesh, self._works, self._rec, self._p2p)
         if self._then is not None:
             self._then()
         self.done = True
 
 
-class _Works:
-    """Several in-flight works waited on as one."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:
-        for w in self.works:
-            w.wait(timeout)
-        return True
+def wait_works(mesh: Mesh, works, rec, p2p: bool) -> None:
+    """Wait for ``works`` under the mesh timeout; on gloo through the watchdog (a stall or a
+    lost peer raises a :class:`~shardlib.errors.CollectiveError` naming ranks and collectives)."""
+    dog = mesh.watchdog
+    if dog is not None and mesh.backend == "gloo":
+        dog.wait(works, rec, mesh.timeout, p2p)
+    else:
+        for w in works:
+            w.wait(mesh.timeout)
 
 
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group) -> _Works:
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ppermute", "send", "recv")
+_DTYPE_IDS: dict = {}
+
+
+def _begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channel: int = 0, note: str = "",
+           extra: int = 0) -> dict:
+    """Record a collective in the trace (always) and, with ``SHARDLIB_CHECK_COLLECTIVES=1``,
+    compare kind, shape and dtype across the group before it is issued."""
+    trace = mesh.trace
+    rec = trace.record(kind, trace.label(mesh, names, channel), t.shape, t.dtype, note)
+    if trace.check and kind not in ("send", "recv"):
+        _check(mesh, names, channel, kind, t, extra, rec)
+    return rec
+
+
+def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: int, rec: dict) -> None:
+    """Debug mode: all-gather a fingerprint (kind, dtype, shape, index on the group, ``extra``)
+    over the group and raise :class:`~shardlib.errors.CollectiveMismatchError` on every rank of
+    it if they differ. Costs one small collective per collective."""
+    n = mesh.size(names)
+    if t.dim() > 8:
+        return
+    dtype_id = _DTYPE_IDS.setdefault(str(t.dtype), len(_DTYPE_IDS) + 1)
+    fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
+    mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
+    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
+    work = dist.all_gather_into_tensor(out, mine, group=mesh.group(names, channel), async_op=True)
+    wait_works(mesh, [work], rec, False)
+    rows = out.view(n, -1).tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    from ..errors import CollectiveMismatchError
+
+    ranks = mesh.axis_ranks(names)
+    dtypes = {v: k for k, v in _DTYPE_IDS.items()}
+
+    def say(row):
+        return (f"{_KINDS[row[0]]}(shape {tuple(row[3:3 + row[2]])}, {dtypes.get(row[1], '?').replace('torch.', '')}"
+                + (f", op/dim {row[12]}" if row[12] else "") + f"), its {row[11] + 1}th on the group")
+
+    detail = "; ".join(f"rank {r}: {say(row)}" for r, row in zip(ranks, rows))
+    sites = _peer_sites(mesh, rec, ranks)
+    raise CollectiveMismatchError(
+        f"collective mismatch on axis {'+'.join(names)!r} (ranks {ranks}, mesh {mesh.shape}): the ranks issued "
+        f"different collectives: {detail}. Call sites: {sites}. Every rank of a group must issue the same "
+        "collective (kind, shape, dtype) in the same order; the shapes and kinds above show which rank took "
+        "another branch (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
+
+
+def _peer_sites(mesh: Mesh, rec: dict, ranks: list[int]) -> str:
+    """Each rank's call site of this collective, exchanged through the store (best effort, 5 s)."""
+    import json
+    import time
+
+    dog = mesh.watchdog
+    if dog is None:
+        return f"rank {mesh.rank}: {rec['site']} from {rec['caller']}"
+    key = f"shardlib/check/{rec['group']}/{rec['gseq']}"
+    dog.store.set(f"{key}/{mesh.rank}", json.dumps([rec["site"], rec["caller"]]))
+    got, deadline = {}, time.monotonic() + 5.0
+    while len(got) < len(ranks) and time.monotonic() < deadline:
+        for r in ranks:
+            if r not in got and dog.store.check([f"{key}/{r}"]):
+                got[r] = json.loads(dog.store.get(f"{key}/{r}"))
+        time.sleep(0.02)
+    return "; ".join(f"rank {r}: " + (f"{got[r][0]} from {got[r][1]}" if r in got else "(no answer)") for r in ranks)
+
+
+def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group) -> list:
     """Post point-to-point sends and receives ``[(global rank, tensor)]`` on ``group`` at once."""
     works = [dist.isend(t, peer, group=group) for peer, t in sends]
     works += [dist.irecv(t, peer, group=group) for peer, t in recvs]
-    return _Works(works)
+    return works
 
 
 def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, int]]:
@@ -97,15 +163,15 @@ def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, in
     return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
 
 
-def _finish(work, then, mesh: Mesh, async_op: bool) -> Handle:
-    handle = Handle(work, then, mesh.timeout)
+def _finish(works, then, mesh: Mesh, async_op: bool, rec=None, p2p: bool = False) -> Handle:
+    handle = Handle(works, then, mesh, rec, p2p)
     if not async_op:
         handle.wait()
     return handle
 
 
 def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
-                   channel: int = 0) -> Handle:
+                   channel: int = 0, note: str = "") -> Handle:
     """In-place all-reduce of ``t`` over ``axis``; counted as ``all_reduce``."""
     names = _names(mesh, axis)
     n = mesh.size(names)
@@ -113,9 +179,10 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
         return _done()
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
+    rec = _begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op))
     work = dist.all_reduce(t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
-    return _finish(work, then, mesh, async_op)
+    return _finish([work], then, mesh, async_op, rec)
 
 
 def _done() -> Handle:
@@ -124,7 +191,8 @@ def _done() -> Handle:
     return h
 
 
-def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False) -> Handle:
+def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False,
+                   note: str = "") -> Handle:
     """Gather equal shards into the flat ``out`` (``out.numel() == N * shard.numel()``).
 
     ``shard`` may be a view of ``out``'s own slot (in-place all-gather). Counted as ``all_gather``
@@ -140,20 +208,21 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
             slot.copy_(shard.view(-1))
         return _done()
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
+    rec = _begin(mesh, names, "all_gather", shard, 0, note)
     group = mesh.group(names)
     if mesh.backend == "gloo":
         flat, src = out.view(-1), shard.view(-1)
         peers = _peers(mesh, names, index)
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)
-        work = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group)
-    else:
-        work = dist.all_gather_into_tensor(out.view(-1), shard.view(-1), group=group, async_op=True)
-    return _finish(work, None, mesh, async_op)
+        works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group)
+        return _finish(works, None, mesh, async_op, rec, p2p=True)
+    work = dist.all_gather_into_tensor(out.view(-1), shard.view(-1), group=group, async_op=True)
+    return _finish([work], None, mesh, async_op, rec)
 
 
 def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
-                       channel: int = 0) -> Handle:
+                       channel: int = 0, note: str = "") -> Handle:
     """Reduce the flat ``full`` over ``axis`` and write this rank's equal slice into ``shard``.
 
     ``full`` may be clobbered (NCCL reduces in place; gloo leaves it as it was). ``shard`` may be
@@ -170,12 +239,13 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
             shard.view(-1).copy_(slot)
         return _done()
     mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
+    rec = _begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op))
     group = mesh.group(names, channel)
     flat, out = full.view(-1), shard.view(-1)
     if mesh.backend == "gloo":
         peers = _peers(mesh, names, index)
         parts = {j: flat.new_empty(k) for j, _ in peers}
-        work = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group)
+        works = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group)
 
         def then():  # the owner sums its own slice, then the others' in rank order; scaled for "avg"
             rest = [parts[j] for j, _ in peers]
@@ -187,16 +257,17 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
                 out.add_(part)
             if op == "avg":
                 out.div_(n)
-    else:
-        work = dist.reduce_scatter_tensor(slot, flat, group=group, async_op=True)
 
-        def then():
-            if op == "avg":
-                slot.div_(n)
-            if slot.data_ptr() != out.data_ptr():
-                out.copy_(slot)
+        return _finish(works, then, mesh, async_op, rec, p2p=True)
+    work = dist.reduce_scatter_tensor(slot, flat, group=group, async_op=True)
 
-    return _finish(work, then, mesh, async_op)
+    def then_nccl():
+        if op == "avg":
+            slot.div_(n)
+        if slot.data_ptr() != out.data_ptr():
+            out.copy_(slot)
+
+    return _finish([work], then_nccl, mesh, async_op, rec)
 
 
 def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -> None:
@@ -206,8 +277,9 @@ def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -
     if n == 1:
         return
     mesh.comm.record(_key(names), "broadcast", t.numel() * t.element_size(), n)
+    rec = _begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
     src = mesh.axis_ranks(names)[src_index]
-    dist.broadcast(t, src=src, group=mesh.group(names), async_op=True).wait(mesh.timeout)
+    wait_works(mesh, [dist.broadcast(t, src=src, group=mesh.group(names), async_op=True)], rec, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +384,8 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
     chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
-    dist.all_to_all(outs, chunks, group=mesh.group(names), async_op=True).wait(mesh.timeout)
+    rec = _begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
+    wait_works(mesh, [dist.all_to_all(outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
     return torch.cat(outs, dim=concat_dim)
 
 
@@ -335,6 +408,7 @@ def _ppermute(x, mesh, names, perm):
     out = torch.zeros_like(x)
     ops = []
     x = x.contiguous()
+    rec = _begin(mesh, names, "ppermute", x, 0, "")
     for src, dst in perm:
         if src == me and dst == me:
             out.copy_(x)
@@ -344,8 +418,7 @@ def _ppermute(x, mesh, names, perm):
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, ranks[src], group=mesh.group(names)))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait(mesh.timeout)
+        wait_works(mesh, dist.batch_isend_irecv(ops), rec, True)
     return out
 
 

@@ -28,6 +28,7 @@ from ..errors import WorkerError
 
 __all__ = ["launch", "WorkerGroup"]
 
+_FATAL = ("ProcessExit", "CollectiveError", "CollectiveMismatchError", "RankFailureError", "CollectiveTimeoutError")
 _UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
 _UNGUARDED = (
     "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
@@ -41,6 +42,7 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["SHARDLIB_TIMEOUT"] = str(timeout_s)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    os.environ.setdefault("SHARDLIB_TRACE_DIR", os.path.dirname(store_path))
     import datetime
 
     import torch
@@ -49,6 +51,9 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn)
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    from .watchdog import process_watchdog
+
+    trace, dog = process_watchdog(None)  # answers the others' diagnosis from now on
     conn.send(("ready", None))
     while True:
         try:
@@ -57,14 +62,19 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn)
             break
         if msg is None:
             break
+        trace.set_status("running")
+        if dog is not None:
+            dog.new_task()
         try:
             fn, args, kwargs, path = cloudpickle.loads(msg)
             for p in path:
                 if p not in sys.path:
                     sys.path.append(p)
             result = fn(*args, **kwargs)
+            trace.set_status("returned")
             conn.send(("ok", cloudpickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
+            trace.set_status("returned")
             conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
     try:
         dist.destroy_process_group()
@@ -170,7 +180,7 @@ class WorkerGroup:
 
                         how = f"killed by {signal.Signals(-code).name}" + (
                             " (a native crash; the worker's stderr has the backend's message)" if -code in (6, 11) else "")
-                    errors[rank] = ("ProcessExit", f"worker process exited ({how})", "")
+                    errors[rank] = ("ProcessExit", f"worker process exited ({how}){self._last_collectives(rank)}", "")
                     del pending[rank]
                     continue
                 del pending[rank]
@@ -183,8 +193,12 @@ class WorkerGroup:
                     if grace_end is None:
                         grace_end = time.monotonic() + 5.0
         if pending or errors:
-            if pending or any(kind == "ProcessExit" for kind, _, _ in errors.values()):
-                self.close()  # a rank is stuck or gone: the group cannot run again
+            if any(kind == "ProcessExit" for kind, _, _ in errors.values()):
+                diff = self._difference()  # a native abort (gloo's size check) leaves only the traces to say why
+                if diff:
+                    errors = {r: (t, m + ("\n" + diff if t == "ProcessExit" else ""), tb) for r, (t, m, tb) in errors.items()}
+            if pending or any(kind in _FATAL for kind, _, _ in errors.values()):
+                self.close()  # a rank is stuck or gone, or the collectives are out of step: the group cannot run again
             if errors:
                 first = min(errors)
                 exc_type, message, tb = errors[first]
@@ -199,6 +213,29 @@ class WorkerGroup:
                 f"ranks {sorted(pending)} did not {what} within {timeout} s; all workers were stopped",
             )
         return [results[r] for r in range(self.nprocs)]
+
+    def _last_collectives(self, rank: int) -> str:
+        """``; its last collectives: ...`` from the trace file a dead worker left (see
+        :mod:`shardlib.mesh.trace`), or ``""``."""
+        from .trace import format_record, read_trace_file
+
+        _, records = read_trace_file(os.path.join(self._dir, f"rank{rank}-{self._procs[rank].pid}.trace"))
+        if not records:
+            return ""
+        shown = "; ".join(f"{format_record(r)} (the {r['gseq'] + 1}th on {r['group']}, step {r['step'] + 1})"
+                          for r in records[-3:])
+        return f"; its last collectives, oldest first: {shown}"
+
+    def _difference(self) -> str:
+        """The first collective where the workers' trace files differ (all ranks), or ``""``."""
+        from .diagnosis import describe_difference
+        from .trace import read_trace_file
+
+        states = {}
+        for rank, proc in enumerate(self._procs):
+            _, records = read_trace_file(os.path.join(self._dir, f"rank{rank}-{proc.pid}.trace"))
+            states[rank] = {"rank": rank, "status": "gone", "records": records or None}
+        return "\n".join(describe_difference(states))
 
     def close(self) -> None:
         """Stop every worker (killing any that does not exit at once) and remove the store."""

@@ -161,6 +161,9 @@ class Mesh(AbstractMesh):
 
     Attributes:
         comm: a :class:`~shardlib.mesh.comm.CommCounter` of logical bytes by axis and kind.
+        trace: this process's :class:`~shardlib.mesh.trace.Trace` of the collectives it issued.
+        watchdog: the :class:`~shardlib.mesh.watchdog.Watchdog` bounding and diagnosing waits
+            (None in a one-process world).
 
     Raises:
         ShardingError: bad shape, or a product of sizes different from the world size.
@@ -185,6 +188,9 @@ class Mesh(AbstractMesh):
         self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
         self.comm = CommCounter()
         self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        from .watchdog import process_watchdog
+
+        self.trace, self.watchdog = process_watchdog(self)
         self._groups: dict[tuple[str, ...], object] = {}
         for name in self.axis_names:
             self.group(name)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
-from ..mesh.collectives import raw_all_reduce
+from ..mesh.collectives import raw_all_reduce, wait_works
 from .schedules import Action, build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
@@ -180,18 +180,26 @@ class PipelineRunner:
         header[7] = _DTYPES.index(t.dtype)
         tag = self._tag(stage, mb, grad)
         self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
-        pending.append((dist.isend(header, dst, group=self.group, tag=tag), header))
-        pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), t))
+        rec = self._trace("send", t, stage, mb, grad, dst)
+        pending.append((dist.isend(header, dst, group=self.group, tag=tag), rec))
+        pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), rec))
+
+    def _trace(self, kind: str, t: torch.Tensor, stage: int, mb: int, grad: bool, peer: int) -> dict:
+        what = "gradient" if grad else "activation"
+        trace = self.mesh.trace
+        return trace.record(kind, trace.label(self.mesh, (self.axis,), 0), t.shape, t.dtype,
+                            f"{what} of stage {stage} microbatch {mb} {'to' if kind == 'send' else 'from'} rank {peer}")
 
     def _recv(self, stage: int, mb: int, grad: bool) -> torch.Tensor:
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
         sender_stage = stage + (1 if grad else -1)
         tag = self._tag(sender_stage, mb, grad)
         header = torch.empty(8, dtype=torch.int64)
-        dist.irecv(header, src, group=self.group, tag=tag).wait(self.mesh.timeout)
+        rec = self._trace("recv", header, sender_stage, mb, grad, src)
+        wait_works(self.mesh, [dist.irecv(header, src, group=self.group, tag=tag)], rec, True)
         ndim = int(header[0])
         buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])])
-        dist.irecv(buf, src, group=self.group, tag=tag + 1).wait(self.mesh.timeout)
+        wait_works(self.mesh, [dist.irecv(buf, src, group=self.group, tag=tag + 1)], rec, True)
         return buf
 
     # -- one step ------------------------------------------------------------------------------
@@ -256,8 +264,8 @@ class PipelineRunner:
                 if a.stage > 0:
                     self._send(inp.grad, a.stage, a.microbatch, True, pending)
             self.timeline.append((str(a), start, end))
-        for work, _ in pending:
-            work.wait(self.mesh.timeout)
+        for work, rec in pending:
+            wait_works(self.mesh, [work], rec, True)
         if backward:
             self._sum_tied_grads()
             self.smodel._zero.sync_grads()

@@ -1,0 +1,272 @@
+"""The collective trace: every rank records each collective it issues, always on.
+
+A record holds what pairs the collectives of a group across ranks: the kind, the group (mesh
+axes, channel and ranks) and the index of the call on that group, the local shape and dtype, a
+note from the strategy (``chunk 3``), the library call site (``zero.py:140``), the user's frame
+that led to it (``train.py:88 in step``), this rank's optimizer step and the wall time.
+
+Records live in a ring of :data:`SLOTS` fixed-size slots in a memory-mapped file (one per rank,
+in ``SHARDLIB_TRACE_DIR`` or a per-user temporary folder). A peer on the same host, or the
+launcher, can read the last collectives of a rank whose process ended (a native abort, SIGKILL),
+which is what names a mismatch after gloo aborted the process. The file is removed at a normal
+exit. This is the idea of PyTorch's NCCL flight recorder, kept on every backend and read while
+the job still runs (:mod:`shardlib.mesh.watchdog`).
+
+Cost: one stack walk to the first frame outside shardlib and torch, a short string and a copy
+into the ring, a few microseconds per collective (``benchmarks/trace_overhead.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import socket
+import sys
+import tempfile
+import time
+
+__all__ = ["Trace", "SLOTS", "read_trace_file", "format_record", "signature", "is_library"]
+
+SLOTS = 512
+_SLOT = 256
+_HEADER = 256
+_MAGIC = b"SHARDLIB-TRACE-1"
+_SEP = "\x1f"
+_FIELDS = ("seq", "group", "gseq", "kind", "shape", "dtype", "note", "site", "caller", "step", "t")
+
+_MESH_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(_MESH_DIR)
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__))
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def is_library(filename: str) -> bool:
+    """True for frames of shardlib, torch, the standard library and installed packages: not the
+    user's code."""
+    return (filename.startswith(_PKG_DIR) or filename.startswith(_TORCH_DIR[0] or "\0") or filename.startswith(_STDLIB_DIR)
+            or filename.startswith("<frozen") or "site-packages" in filename)
+
+
+_TORCH_DIR = [""]
+
+
+def _trace_dir() -> str:
+    d = os.environ.get("SHARDLIB_TRACE_DIR")
+    if not d:
+        d = os.path.join(tempfile.gettempdir(), f"shardlib-trace-{os.getuid() if hasattr(os, 'getuid') else 0}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def signature(rec: dict) -> tuple:
+    """What must agree across the ranks of a group for their ``gseq``-th collective to pair."""
+    return (rec["kind"], rec["shape"], rec["dtype"], rec["note"], rec["site"], rec["caller"])
+
+
+def format_record(rec: dict, with_group: bool = True) -> str:
+    """``all_gather(axis 'dp', (512,) float32, chunk 3) at zero.py:140 from train.py:88 in step``."""
+    axis = rec["group"].split("[")[0]
+    parts = [f"axis {axis!r}"] if with_group else []
+    if rec["shape"]:
+        parts.append(f"{rec['shape']} {rec['dtype']}".strip())
+    if rec["note"]:
+        parts.append(rec["note"])
+    text = f"{rec['kind']}({', '.join(parts)})"
+    if rec["site"]:
+        text += f" at {rec['site']}"
+    if rec["caller"] and not rec["caller"].startswith(rec["site"] + " "):
+        text += f" from {rec['caller']}"
+    return text
+
+
+def _decode(raw: bytes) -> dict | None:
+    n = int.from_bytes(raw[:2], "little")
+    if not 0 < n <= _SLOT - 2:
+        return None
+    fields = raw[2 : 2 + n].decode("utf-8", "replace").split(_SEP)
+    if len(fields) != len(_FIELDS):
+        return None
+    rec = dict(zip(_FIELDS, fields))
+    try:
+        rec["seq"], rec["gseq"], rec["step"], rec["t"] = int(rec["seq"]), int(rec["gseq"]), int(rec["step"]), float(rec["t"])
+    except ValueError:
+        return None
+    return rec
+
+
+def _read_header(buf) -> dict:
+    raw = bytes(buf[:_HEADER])
+    if not raw.startswith(_MAGIC):
+        return {}
+    text = raw[len(_MAGIC) : len(_MAGIC) + int.from_bytes(raw[-2:], "little")].decode("utf-8", "replace")
+    out = {}
+    for item in text.split(_SEP):
+        key, _, value = item.partition("=")
+        out[key] = value
+    return out
+
+
+def _records(buf) -> list[dict]:
+    recs = []
+    for i in range(SLOTS):
+        off = _HEADER + i * _SLOT
+        rec = _decode(bytes(buf[off : off + _SLOT]))
+        if rec is not None:
+            recs.append(rec)
+    recs.sort(key=lambda r: r["seq"])
+    return recs
+
+
+def read_trace_file(path: str) -> tuple[dict, list[dict]]:
+    """``(header, records oldest first)`` of a rank's trace file (also of an ended process).
+
+    The header has ``rank``, ``pid``, ``host``, ``status`` (``running``, ``returned``,
+    ``exited``) and ``step``. Returns ``({}, [])`` if the file is missing or not a trace.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return {}, []
+    if len(data) < _HEADER + SLOTS * _SLOT:
+        return {}, []
+    return _read_header(data), _records(data)
+
+
+class Trace:
+    """The collective trace of this process (one per process: every mesh records into it).
+
+    Args:
+        rank: this process's global rank.
+        path: the ring file; ``None`` picks ``<trace dir>/rank<rank>-<pid>.trace``; ``""`` keeps
+            the ring in anonymous memory (nothing survives the process).
+
+    Attributes:
+        step: optimizer steps finished on this rank (:meth:`next_step`).
+        status: ``running``, ``returned`` (a launched function returned) or ``exited``.
+        waiting: ``(record, monotonic start)`` of the collective the main thread is blocked in.
+        check: compare shapes across the group before each collective
+            (``SHARDLIB_CHECK_COLLECTIVES=1``; on in the tests).
+    """
+
+    def __init__(self, rank: int, path: str | None = None):
+        self.rank, self.pid, self.host = rank, os.getpid(), socket.gethostname()
+        self.seq, self.step, self.status = 0, 0, "running"
+        self.waiting = None
+        self.check = os.environ.get("SHARDLIB_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self._gseq: dict[str, int] = {}
+        self._labels: dict = {}
+        self._sites: dict = {}
+        self._kinds: dict = {}  # code object -> 0 library, 1 shardlib.mesh, 2 shardlib, 3 the user's
+        self._names: dict = {}
+        self._torch = _TORCH_DIR[0] = _torch_dir()
+        size = _HEADER + SLOTS * _SLOT
+        self.path = None
+        if path is None:
+            path = os.path.join(_trace_dir(), f"rank{rank}-{self.pid}.trace")
+        if path:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.ftruncate(fd, size)
+                self._buf = mmap.mmap(fd, size)
+                os.close(fd)
+                self.path = path
+            except OSError:
+                self._buf = mmap.mmap(-1, size)
+        else:
+            self._buf = mmap.mmap(-1, size)
+        self._write_header()
+        atexit.register(self._at_exit)
+
+    # -- recording --------------------------------------------------------------------------------
+    def label(self, mesh, names: tuple[str, ...], channel: int) -> str:
+        """``dp[0,1]`` / ``dp#1[0,1]``: the group's axes, channel and global ranks."""
+        key = (id(mesh), names, channel)
+        label = self._labels.get(key)
+        if label is None:
+            ranks = ",".join(map(str, mesh.axis_ranks(names)))
+            label = "+".join(names) + (f"#{channel}" if channel else "") + f"[{ranks}]"
+            self._labels[key] = label
+        return label
+
+    def record(self, kind: str, label: str, shape, dtype, note: str = "") -> dict:
+        """Append one collective; returns its record (a dict of the fields of :func:`format_record`)."""
+        site, caller = self._call_sites()
+        gseq = self._gseq.get(label, 0)
+        self._gseq[label] = gseq + 1
+        names = self._names.get((shape, dtype))
+        if names is None:
+            names = self._names[(shape, dtype)] = (str(tuple(shape)), str(dtype).replace("torch.", ""))
+        seq, t = self.seq, time.time()
+        rec = {"seq": seq, "group": label, "gseq": gseq, "kind": kind, "shape": names[0], "dtype": names[1],
+               "note": note, "site": site, "caller": caller, "step": self.step, "t": t}
+        text = (f"{seq}\x1f{label}\x1f{gseq}\x1f{kind}\x1f{names[0]}\x1f{names[1]}\x1f{note}\x1f{site}\x1f{caller}"
+                f"\x1f{self.step}\x1f{t}").encode()[: _SLOT - 2]
+        off = _HEADER + (seq % SLOTS) * _SLOT
+        self._buf[off : off + 2 + len(text)] = len(text).to_bytes(2, "little") + text
+        self.seq = seq + 1
+        return rec
+
+    def _call_sites(self) -> tuple[str, str]:
+        f = sys._getframe(2)  # the caller of record()
+        site = caller = ""
+        depth = 0
+        cache = self._sites
+        while f is not None and depth < 80:
+            code = f.f_code
+            kind = self._kinds.get(code)
+            if kind is None:
+                fn = code.co_filename
+                lib = fn.startswith(self._torch) or fn.startswith(_STDLIB_DIR) or fn.startswith("<frozen")
+                kind = self._kinds[code] = 0 if lib else 1 if fn.startswith(_MESH_DIR) else 2 if fn.startswith(_PKG_DIR) else 3
+            if kind >= 2 and not site:
+                site = cache.get((code, f.f_lasti, False)) or self._site(f, False)
+            if kind == 3:
+                caller = cache.get((code, f.f_lasti, True)) or self._site(f, True)
+                break
+            f = f.f_back
+            depth += 1
+        return site, caller
+
+    def _site(self, f, with_func: bool) -> str:
+        text = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+        if with_func:
+            text += f" in {f.f_code.co_name}"
+        if len(self._sites) < 100_000:
+            self._sites[(f.f_code, f.f_lasti, with_func)] = text
+        return text
+
+    def next_step(self) -> None:
+        """An optimizer step finished on this rank."""
+        self.step += 1
+        self._write_header()
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        self._write_header()
+
+    # -- reading ------------------------------------------------------------------------------------
+    def records(self, last: int = SLOTS) -> list[dict]:
+        """This rank's last ``last`` records, oldest first."""
+        return _records(self._buf)[-last:]
+
+    def _write_header(self) -> None:
+        text = _SEP.join(f"{k}={v}" for k, v in (("rank", self.rank), ("pid", self.pid), ("host", self.host),
+                                                   ("status", self.status), ("step", self.step))).encode()
+        raw = _MAGIC + text[: _HEADER - len(_MAGIC) - 2]
+        raw = raw + b"\0" * (_HEADER - 2 - len(raw)) + len(text[: _HEADER - len(_MAGIC) - 2]).to_bytes(2, "little")
+        self._buf[:_HEADER] = raw
+
+    def _at_exit(self) -> None:
+        self.set_status("exited")
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass

@@ -1,0 +1,334 @@
+"""Bounded waits on collectives, and the diagnosis of ranks that stopped doing the same thing.
+
+Every wait on a gloo collective goes through :meth:`Watchdog.wait`. It waits in slices of a
+second; after ``SHARDLIB_WATCHDOG`` seconds (default 30) without completion it asks every rank,
+out of band through the ``torch.distributed`` store, for its state: the collective it is
+blocked in, where its main thread is, its step and its last collectives from the trace
+(:mod:`shardlib.mesh.trace`). Each process runs a small thread that answers (it polls the store
+twice a second), so a rank that is busy, idle or blocked answers, and a rank that does not is
+probed by pid (``/proc``: gone, or stopped by SIGSTOP) and named as the lost one, not its
+neighbour. :func:`~shardlib.mesh.diagnosis.analyze` turns the states into one message; when it
+is fatal (a rank lost, or the ranks' collectives differ and nobody is on their way) it is
+published in the store and every blocked rank raises it within a second. A wait that fails
+(gloo's ``Connection closed by peer``) is diagnosed at once and raised as
+:class:`~shardlib.errors.RankFailureError` naming the rank, host and pid that is gone.
+``SHARDLIB_TIMEOUT`` still bounds every wait.
+
+Waits on gloo collectives (``all_reduce``, ``broadcast``, ``all_gather_into_tensor``) are
+sliced directly: an expired slice leaves the collective running. A gloo point-to-point wait
+that expires closes the connection, so point-to-point works are waited on by one helper thread
+and the main thread waits for its signal. On NCCL a wait orders CUDA streams and returns at
+once: nothing here blocks the host there (the NCCL watchdog bounds the collective itself).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError
+from .diagnosis import analyze
+from .trace import Trace, is_library, read_trace_file
+
+__all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
+
+_CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError)}
+_GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
+_SLICE = 1.0
+_POLL = 0.5
+_RECORDS = 128
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def watchdog_seconds() -> float:
+    """Seconds a collective may wait before the ranks are asked for their states
+    (``SHARDLIB_WATCHDOG``, default 30)."""
+    return float(os.environ.get("SHARDLIB_WATCHDOG", "30"))
+
+
+def _answer_seconds() -> float:
+    return float(os.environ.get("SHARDLIB_WATCHDOG_ANSWER", "10"))
+
+
+def _is_slice_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text and "pair closure" not in text
+
+
+class _Waiter:
+    """One thread that waits on point-to-point works (a timed-out gloo p2p wait closes the pair)."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="shardlib-p2p-waiter", daemon=True).start()
+
+    def submit(self, works, timeout) -> list:
+        box = [threading.Event(), None]
+        self._q.put((works, timeout, box))
+        return box
+
+    def _run(self) -> None:
+        while True:
+            works, timeout, box = self._q.get()
+            try:
+                for w in works:
+                    w.wait(timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box[1] = exc
+            box[0].set()
+
+
+class Watchdog:
+    """The waits, the answering thread and the diagnosis of one process (see the module doc).
+
+    Args:
+        trace: this process's :class:`~shardlib.mesh.trace.Trace`.
+        store: the ``torch.distributed`` store every rank shares.
+        rank, world: this rank and the world size.
+    """
+
+    def __init__(self, trace: Trace, store, rank: int, world: int):
+        self.trace, self.store, self.rank, self.world = trace, store, rank, world
+        self.host = socket.gethostname()
+        self.verdict: tuple[int, str, str] | None = None
+        self.handled = 0
+        self._waiter: _Waiter | None = None
+        self._main = threading.main_thread().ident
+        self._lock = threading.Lock()
+        self._answered = int(store.add(_GEN, 0))
+        self._vseen = int(store.add(_VCOUNT, 0))
+        self._vgen = self._answered
+        self._warned: set = set()
+        store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
+        import atexit
+
+        atexit.register(self._at_exit)
+        threading.Thread(target=self._run, name="shardlib-watchdog", daemon=True).start()
+
+    # -- the wait ---------------------------------------------------------------------------------
+    def wait(self, works, rec: dict | None, timeout: datetime.timedelta, p2p: bool) -> None:
+        """Wait for ``works`` (gloo), raising a :class:`CollectiveError` that names the ranks and
+        collectives if they cannot complete.
+
+        Raises:
+            CollectiveMismatchError: the ranks' collectives differ, or a rank stopped issuing them.
+            RankFailureError: a rank is gone or frozen.
+            CollectiveTimeoutError: ``timeout`` passed while a rank was busy elsewhere.
+        """
+        start = time.monotonic()
+        limit = timeout.total_seconds()
+        box = None
+        if p2p:
+            if self._waiter is None:
+                self._waiter = _Waiter()
+            box = self._waiter.submit(works, timeout)
+        self.trace.waiting = (rec, start)
+        next_check = watchdog_seconds()
+        last = None
+        try:
+            pending = list(works)
+            while True:
+                try:
+                    if box is not None:
+                        if box[0].wait(_SLICE):
+                            if box[1] is not None:
+                                raise box[1]
+                            return
+                    else:
+                        while pending:
+                            pending[0].wait(datetime.timedelta(seconds=_SLICE))
+                            pending.pop(0)
+                        return
+                except CollectiveError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
+                    if box is None and _is_slice_timeout(exc) and not pending[0].is_completed():
+                        pass
+                    else:
+                        self._raise_verdict()
+                        fatal, cls, text = self.diagnose(lost=True)
+                        raise _CLASSES.get(cls, CollectiveError)(
+                            f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
+                self._raise_verdict()
+                waited = time.monotonic() - start
+                if waited >= next_check:
+                    fatal, cls, text = self.diagnose()
+                    last = text
+                    if fatal:
+                        raise _CLASSES.get(cls, CollectiveError)(text)
+                    if text not in self._warned:
+                        self._warned.add(text)
+                        sys.stderr.write(f"shardlib rank {self.rank}: a collective has waited {waited:.0f} s:\n{text}\n")
+                    next_check = waited + watchdog_seconds()
+                if waited >= limit:
+                    raise CollectiveTimeoutError(
+                        f"a collective waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank {self.rank}"
+                        + (f":\n{last}" if last else ""))
+        finally:
+            self.trace.waiting = None
+
+    def _raise_verdict(self) -> None:
+        v = self.verdict
+        if v is not None and v[0] > self.handled:
+            self.handled = v[0]
+            raise _CLASSES.get(v[1], CollectiveError)(v[2])
+
+    def new_task(self) -> None:
+        """Forget verdicts of an earlier task (the test pool reuses processes)."""
+        if self.verdict is not None:
+            self.handled = max(self.handled, self.verdict[0])
+
+    # -- states ------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """This rank's state for the diagnosis (see :mod:`shardlib.mesh.diagnosis`)."""
+        tr = self.trace
+        waiting = tr.waiting
+        frame, in_dist = self._main_frame()
+        out = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": tr.step, "frame": frame,
+               "records": tr.records(_RECORDS), "waiting": None, "waited_s": 0.0}
+        if waiting is not None and waiting[0] is not None:
+            out.update(status="waiting", waiting=waiting[0], waited_s=time.monotonic() - waiting[1])
+        elif tr.status == "returned":
+            out["status"] = "returned"
+        elif in_dist or waiting is not None:
+            out["status"] = "untraced"
+        else:
+            out["status"] = "busy"
+        return out
+
+    def _main_frame(self) -> tuple[str, bool]:
+        f = sys._current_frames().get(self._main)
+        in_dist = False
+        inner = True
+        while f is not None:
+            fn = f.f_code.co_filename
+            if inner and "torch" in fn and "distributed" in fn:
+                in_dist = True
+            inner = inner and (fn.startswith(_PKG_DIR) or "torch" in fn)
+            if not is_library(fn):
+                return f"{os.path.basename(fn)}:{f.f_lineno} in {f.f_code.co_name}", in_dist
+            f = f.f_back
+        return "?", in_dist
+
+    def _probe(self, rank: int) -> dict:
+        """The state of a rank that did not answer: from its pid (same host) and its trace file."""
+        info = {}
+        key = f"{_RANK}/{rank}"
+        try:
+            if self.store.check([key]):
+                info = json.loads(self.store.get(key))
+            exited = self.store.check([f"{key}/exit"])
+            if exited:
+                done = json.loads(self.store.get(f"{key}/exit"))
+                return {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "exited",
+                        "step": done.get("step", 0), "records": done.get("records")}
+        except Exception:  # noqa: BLE001 - the store itself may be gone with its host
+            pass
+        state = {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "silent", "step": 0,
+                 "records": None}
+        if info.get("host") == self.host and info.get("pid"):
+            try:
+                with open(f"/proc/{info['pid']}/stat") as f:
+                    st = f.read().rsplit(")", 1)[1].split()[0]
+                state["status"] = {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(st, "silent")
+            except OSError:
+                state["status"] = "gone"
+            header, records = read_trace_file(info.get("trace") or "")
+            if records:
+                state["records"] = records[-_RECORDS:]
+                state["step"] = int(header.get("step", 0) or 0)
+        return state
+
+    def diagnose(self, lost: bool = False) -> tuple[bool, str, str]:
+        """Ask every rank for its state through the store and analyze them.
+
+        Returns:
+            ``(fatal, error class name, message)``; a fatal verdict is also published, so every
+            blocked rank raises it.
+        """
+        store = self.store
+        gen = int(store.add(_GEN, 1))
+        mine = self.state()
+        store.set(f"{_DIAG}/{gen}/{self.rank}", json.dumps(mine))
+        states = {self.rank: mine}
+        deadline = time.monotonic() + (_answer_seconds() / 2 if lost else _answer_seconds())
+        while len(states) < self.world and time.monotonic() < deadline:
+            for r in range(self.world):
+                key = f"{_DIAG}/{gen}/{r}"
+                if r not in states and store.check([key]):
+                    states[r] = json.loads(store.get(key))
+            if len(states) < self.world:
+                time.sleep(0.05)
+        for r in range(self.world):
+            if r not in states:
+                states[r] = self._probe(r)
+        fatal, cls, text = analyze(states, self.world)
+        if lost and not fatal:  # our own wait failed: the pair is closed whatever the others say
+            fatal, cls = True, "RankFailureError" if cls == "RankFailureError" else "CollectiveError"
+        if fatal:
+            store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text]))
+            store.add(_VCOUNT, 1)
+            with self._lock:
+                self.handled = max(self.handled, gen)
+        return fatal, cls, text
+
+    # -- the answering thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        store = self.store
+        while True:
+            time.sleep(_POLL)
+            try:
+                gen = int(store.add(_GEN, 0))
+                if gen > self._answered:
+                    text = json.dumps(self.state())
+                    for g in range(self._answered + 1, gen + 1):
+                        store.set(f"{_DIAG}/{g}/{self.rank}", text)
+                    self._answered = gen
+                v = int(store.add(_VCOUNT, 0))
+                if v > self._vseen:
+                    for g in range(gen, self._vgen, -1):
+                        key = f"{_DIAG}/{g}/verdict"
+                        if store.check([key]):
+                            cls, text = json.loads(store.get(key))
+                            with self._lock:
+                                if g > self.handled:
+                                    self.verdict = (g, cls, text)
+                            break
+                    self._vseen, self._vgen = v, gen
+            except Exception:  # noqa: BLE001 - the store went away (its host ended): keep quiet
+                time.sleep(5 * _POLL)
+
+    def _at_exit(self) -> None:
+        try:
+            self.store.set(f"{_RANK}/{self.rank}/exit",
+                           json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_PROCESS: dict = {}
+
+
+def process_watchdog(mesh) -> tuple[Trace, Watchdog | None]:
+    """The trace and watchdog of this process, made on first use (one per default group)."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD) if dist.is_initialized() else None
+    got = _PROCESS.get(key)
+    if got is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        trace = Trace(rank, path=None if world > 1 else "")
+        dog = None
+        if world > 1:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            dog = Watchdog(trace, _get_default_store(), rank, world)
+        got = _PROCESS[key] = (trace, dog)
+    return got

@@ -1,0 +1,120 @@
+"""The diagnosis of stalled collectives (shardlib.mesh.diagnosis) and the trace ring
+(shardlib.mesh.trace), without processes: states are written by hand as the watchdog would
+publish them."""
+
+from __future__ import annotations
+
+import os
+
+from shardlib.mesh.diagnosis import analyze, first_difference
+from shardlib.mesh.trace import SLOTS, Trace, format_record, read_trace_file
+
+
+def _rec(gseq, kind="all_reduce", group="dp[0,1]", shape="(4,)", site="zero.py:10", caller="train.py:5 in step", step=0,
+         t=None, note=""):
+    return {"seq": gseq, "group": group, "gseq": gseq, "kind": kind, "shape": shape, "dtype": "float32", "note": note,
+            "site": site, "caller": caller, "step": step, "t": float(gseq if t is None else t)}
+
+
+def _state(rank, status, records, waiting=None, step=0):
+    return {"rank": rank, "host": "h", "pid": 100 + rank, "status": status, "step": step, "records": records,
+            "waiting": waiting, "waited_s": 31.0, "frame": "train.py:9 in main"}
+
+
+def test_same_collectives_no_difference():
+    recs = [_rec(i) for i in range(3)]
+    states = {0: _state(0, "waiting", recs, recs[-1]), 1: _state(1, "waiting", recs, recs[-1])}
+    assert first_difference(states) is None
+    fatal, cls, text = analyze(states, 2)
+    assert not fatal and cls == "CollectiveTimeoutError"  # every rank in the same collective: slow, not stuck
+
+
+def test_extra_collective_on_one_rank():
+    r0 = [_rec(i) for i in range(4)]
+    r1 = [_rec(i) for i in range(3)]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "returned", r1, step=0)}
+    _, label, gseq, recs = first_difference(states)
+    assert (label, gseq, recs[1]) == ("dp[0,1]", 3, None)
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "CollectiveMismatchError"
+    assert "the 4th collective on axis 'dp'" in text and "rank 1: issued none" in text
+    assert "its function returned" in text
+
+
+def test_kind_differs_names_both_call_sites():
+    r0 = [_rec(0), _rec(1, kind="all_gather", site="gather.py:58", caller="train.py:7 in evaluate")]
+    r1 = [_rec(0), _rec(1)]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "waiting", r1, r1[-1])}
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "CollectiveMismatchError"
+    assert "rank 0: all_gather(axis 'dp', (4,) float32) at gather.py:58 from train.py:7 in evaluate" in text
+    assert "rank 1: all_reduce(axis 'dp', (4,) float32) at zero.py:10 from train.py:5 in step" in text
+
+
+def test_busy_rank_is_not_a_verdict():
+    r0 = [_rec(i) for i in range(4)]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "busy", r0[:3])}
+    fatal, cls, text = analyze(states, 2)
+    assert not fatal  # rank 1 may still get there (a long evaluation, a checkpoint on one rank)
+    assert "busy outside any collective at train.py:9 in main" in text
+
+
+def test_stopped_rank_is_named_not_its_neighbour():
+    r0 = [_rec(i) for i in range(2)]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "stopped", None), 2: _state(2, "busy", [])}
+    fatal, cls, text = analyze(states, 3)
+    assert fatal and cls == "RankFailureError"  # even with a busy rank: a stopped one never answers
+    assert text.startswith("rank 1 is frozen") and "rank 0 (h, pid 100): waiting 31 s" in text
+
+
+def test_gone_rank_last_collective_from_its_trace_file():
+    r0 = [_rec(0), _rec(1, shape="(4,)")]
+    r1 = [_rec(0), _rec(1, shape="(8,)")]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "gone", r1)}
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "RankFailureError"
+    assert "rank 1 is gone" in text and "(8,)" in text and "(4,)" in text
+
+
+def test_silent_rank_with_busy_peer_waits():
+    states = {0: _state(0, "waiting", [_rec(0)], _rec(0)), 1: _state(1, "silent", None), 2: _state(2, "busy", [])}
+    assert not analyze(states, 3)[0]
+    states[2] = _state(2, "waiting", [_rec(0)], _rec(0))
+    fatal, cls, text = analyze(states, 3)
+    assert fatal and cls == "RankFailureError" and "did not answer" in text
+
+
+def test_steps_are_compared():
+    r0 = [_rec(i, step=i // 2) for i in range(5)]
+    states = {0: _state(0, "waiting", r0, r0[-1], step=2), 1: _state(1, "exited", r0[:4], step=2)}
+    text = analyze(states, 2)[2]
+    assert "Steps: rank 0 is in step 3, rank 1 finished step 2." in text
+
+
+def test_evicted_records_are_left_out():
+    r0 = [_rec(i) for i in range(100, 110)]
+    r1 = [_rec(i) for i in range(0, 105)] + [_rec(105, kind="broadcast")]
+    _, _, gseq, recs = first_difference({0: _state(0, "waiting", r0), 1: _state(1, "waiting", r1)})
+    assert gseq == 105 and recs[1]["kind"] == "broadcast"
+
+
+def test_pipeline_point_to_point_is_not_aligned():
+    r0 = [_rec(0, kind="send", group="pp[0,1]")]
+    r1 = [_rec(0, kind="recv", group="pp[0,1]")]
+    assert first_difference({0: _state(0, "waiting", r0), 1: _state(1, "waiting", r1)}) is None
+
+
+def test_trace_ring_file(tmp_path):
+    path = str(tmp_path / "rank3.trace")
+    trace = Trace(3, path=path)
+    for i in range(SLOTS + 5):
+        rec = trace.record("all_gather", "dp[0,1]", (2, i), "torch.float32", note=f"chunk {i}")
+    trace.next_step()
+    header, records = read_trace_file(path)
+    assert header["rank"] == "3" and header["pid"] == str(os.getpid()) and header["step"] == "1"
+    assert len(records) == SLOTS and records[-1]["note"] == f"chunk {SLOTS + 4}" and records[0]["seq"] == 5
+    assert records[-1]["shape"] == f"(2, {SLOTS + 4})" and records[-1]["dtype"] == "float32"
+    assert rec["caller"].startswith("test_diagnosis.py:") and rec["caller"].endswith("in test_trace_ring_file")
+    assert format_record(records[-1]).startswith(f"all_gather(axis 'dp', (2, {SLOTS + 4}) float32, chunk {SLOTS + 4})")
+    trace._at_exit()
+    assert not os.path.exists(path)  # a normal exit removes the file; a crash leaves it for the peers

@@ -1,0 +1,284 @@
+"""Fault injection: diverging, frozen and killed ranks end every rank within seconds, and the
+error names the rank and the collective (shardlib.mesh.watchdog, trace, diagnosis).
+
+Each case breaks the process group on purpose, so the pool is replaced after it (the launcher
+closes a group after a CollectiveError or a dead worker). Bounds: the watchdog is set to 2 s in
+the workers; a case must end within BOUND seconds (watchdog + answers + a loaded 2-core
+machine), far below the 120 s collective timeout of the pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shardlib.errors import WorkerError
+from shardlib.testing.pool import run_on
+
+pytestmark = pytest.mark.multiprocess
+
+BOUND = 45.0  # s; measured 3-8 s per case on this machine
+
+
+def _run_failing(nprocs, fn, *args):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_on(nprocs, fn, *args, timeout=BOUND + 30)
+    took = time.monotonic() - t0
+    assert took < BOUND, f"took {took:.0f} s"
+    return info.value
+
+
+def _setup(check: bool = False, watchdog: float = 2.0):
+    import os
+
+    import shardlib
+
+    os.environ["SHARDLIB_WATCHDOG"] = str(watchdog)
+    os.environ["SHARDLIB_WATCHDOG_ANSWER"] = "6"
+    mesh = shardlib.init_mesh({"dp": 2})
+    mesh.trace.check = check
+    return mesh
+
+
+# -- divergence: one rank issues a collective the other does not ----------------------------------
+
+def _only_rank0_collective():
+    import torch
+
+    import shardlib
+
+    mesh = _setup()
+    shardlib.all_reduce(torch.ones(3), "dp")
+    if mesh.rank == 0:
+        shardlib.all_reduce(torch.ones(3), "dp")  # rank 1 returns instead
+    return "done"
+
+
+def test_only_rank0_calls_a_collective():
+    err = _run_failing(2, _only_rank0_collective)
+    assert err.rank == 0 and err.exc_type == "CollectiveMismatchError"
+    msg = err.message
+    assert "First difference" in msg and "rank 0: all_reduce(axis 'dp', (3,) float32)" in msg
+    assert "rank 1: issued none" in msg and "its function returned" in msg
+    assert "test_faults.py" in msg  # the user's call site
+
+
+def _uneven_steps():
+    import torch
+
+    import shardlib
+
+    mesh = _setup()
+    torch.manual_seed(0)
+    smodel = shardlib.shard(torch.nn.Linear(4, 4), mesh, zero_stage=3)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    for _ in range(3 if mesh.rank == 0 else 2):  # rank 0 has one more batch
+        smodel(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return "done"
+
+
+def test_one_rank_runs_one_more_step():
+    err = _run_failing(2, _uneven_steps)
+    assert err.exc_type == "CollectiveMismatchError", err
+    msg = err.message
+    assert "rank 1 finished step 2" in msg and "rank 0 is in step 3" in msg, msg
+    assert "all_gather(axis 'dp'" in msg and "rank 1: issued none" in msg
+
+
+def _tp_block_twice():
+    import os
+
+    import torch
+
+    import shardlib
+
+    os.environ["SHARDLIB_WATCHDOG"] = "2"
+    mesh = shardlib.init_mesh({"tp": 2})
+    mesh.trace.check = True
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    smodel = shardlib.shard(model, mesh, {"0.weight": shardlib.P("tp", None), "0.bias": shardlib.P("tp"),
+                                          "2.weight": shardlib.P(None, "tp")})
+    x = torch.ones(2, 8)
+    y = smodel(x)
+    if mesh.rank == 0:
+        y = smodel(y)  # rank 0 runs the block twice
+    y.sum().backward()
+    return "done"
+
+
+def test_tp_rank_runs_a_block_twice():
+    err = _run_failing(2, _tp_block_twice)
+    assert err.rank == 0 and err.exc_type == "CollectiveMismatchError", err
+    msg = err.message  # rank 1 ran the model once and returned: it has nothing to raise
+    assert "First difference" in msg and "all_reduce(axis 'tp'" in msg and "rank 1: issued none" in msg, msg
+    assert "its function returned" in msg
+
+
+def _kinds_differ(check):
+    import torch
+
+    import shardlib
+
+    mesh = _setup(check=check)
+    if mesh.rank == 0:
+        shardlib.all_reduce(torch.ones(4), "dp")
+    else:
+        shardlib.all_gather(torch.ones(2), "dp")
+    return "done"
+
+
+def test_all_reduce_against_all_gather_checked():
+    err = _run_failing(2, _kinds_differ, True)
+    assert set(err.errors) == {0, 1}
+    for rank, (kind, msg) in err.errors.items():
+        assert kind == "CollectiveMismatchError", (rank, msg)
+        assert "rank 0: all_reduce(shape (4,), float32" in msg and "rank 1: all_gather(shape (2,), float32" in msg
+        assert "test_faults.py" in msg  # both ranks' call sites, exchanged through the store
+
+
+def test_all_reduce_against_all_gather_default_mode():
+    err = _run_failing(2, _kinds_differ, False)
+    text = " ".join(m for _, m in err.errors.values())
+    assert "all_reduce" in text and "all_gather" in text, err.errors
+
+
+def _sizes_differ(check, kind):
+    import torch
+
+    import shardlib
+
+    mesh = _setup(check=check)
+    n = 4 if mesh.rank == 0 else 8
+    if kind == "all_reduce":
+        shardlib.all_reduce(torch.ones(n), "dp")
+    else:
+        shardlib.all_gather(torch.ones(n), "dp")
+    return "done"
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
+def test_sizes_differ_checked(kind):
+    err = _run_failing(2, _sizes_differ, True, kind)
+    assert set(err.errors) == {0, 1}
+    for _, (exc, msg) in err.errors.items():
+        assert exc == "CollectiveMismatchError"
+        assert f"rank 0: {kind}(shape (4,)" in msg and f"rank 1: {kind}(shape (8,)" in msg
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather"])
+def test_sizes_differ_default_mode_names_the_mismatch(kind):
+    """Without the check gloo may abort the process natively; the error that reaches the user
+    (a survivor's, or the launcher's for the dead rank) still names both shapes."""
+    err = _run_failing(2, _sizes_differ, False, kind)
+    text = " ".join(m for _, m in err.errors.values())
+    assert kind in text and "(4,)" in text and "(8,)" in text, err.errors
+
+
+def _shapes_differ():
+    import torch
+
+    import shardlib
+
+    mesh = _setup(check=True)
+    x = torch.ones(2, 4) if mesh.rank == 0 else torch.ones(4, 2)  # the same bytes
+    shardlib.all_gather(x, "dp")
+    return "done"
+
+
+def test_same_bytes_other_shapes_checked():
+    err = _run_failing(2, _shapes_differ)
+    for _, (exc, msg) in err.errors.items():
+        assert exc == "CollectiveMismatchError" and "(2, 4)" in msg and "(4, 2)" in msg
+
+
+def _zero3_eval_on_rank0(check):
+    import torch
+
+    import shardlib
+
+    mesh = _setup(check=check)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    smodel = shardlib.shard(model, mesh, zero_stage=3, chunk_size=40)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    x = torch.ones(2, 4)
+    for step in range(2):
+        if mesh.rank == 0:
+            with torch.no_grad():
+                smodel(x)  # evaluation on rank 0 only
+        smodel(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return "done"
+
+
+def test_zero3_evaluation_on_rank0_only_checked():
+    err = _run_failing(2, _zero3_eval_on_rank0, True)
+    assert set(err.errors) == {0, 1}
+    for _, (exc, msg) in err.errors.items():
+        assert exc == "CollectiveMismatchError", msg
+        assert "axis 'dp'" in msg and "rank 0: " in msg and "rank 1: " in msg
+
+
+def test_zero3_evaluation_on_rank0_only_default_mode():
+    """Unchecked, the shifted gathers reach gloo with other sizes and it aborts both processes;
+    the launcher's error still names the first collective where the two ranks' traces differ."""
+    err = _run_failing(2, _zero3_eval_on_rank0, False)
+    text = "\n".join(m for _, m in err.errors.values())
+    assert "First difference" in text and "axis 'dp'" in text and "all_gather" in text, text
+    assert "test_faults.py" in text
+
+
+# -- lost ranks ------------------------------------------------------------------------------------
+
+def _frozen():
+    import os
+    import signal
+
+    import torch
+
+    import shardlib
+
+    mesh = _setup()
+    shardlib.all_reduce(torch.ones(3), "dp")
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    shardlib.all_reduce(torch.ones(3), "dp")
+    return "done"
+
+
+def test_frozen_rank_is_named():
+    err = _run_failing(2, _frozen)
+    assert err.rank == 0 and err.exc_type == "RankFailureError", err
+    msg = err.message
+    assert msg.startswith("rank 1 is frozen") and "stopped (SIGSTOP" in msg, msg
+    assert "rank 0 (" in msg and "waiting" in msg  # the neighbour is shown waiting, not blamed
+
+
+def _killed():
+    import os
+    import signal
+
+    import torch
+
+    import shardlib
+
+    mesh = _setup()
+    shardlib.all_reduce(torch.ones(3), "dp")
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    shardlib.all_gather(torch.ones(3), "dp")
+    return "done"
+
+
+def test_killed_rank_is_named_gone():
+    err = _run_failing(2, _killed)
+    assert err.errors[1][0] == "ProcessExit" and "SIGKILL" in err.errors[1][1]
+    exc, msg = err.errors[0]
+    assert exc == "RankFailureError", msg
+    assert "rank 1 is gone" in msg and "pid" in msg and "Connection closed" not in msg.split("\n")[0], msg
