@@ -22,11 +22,15 @@ index, where
 - the global index is row-major over ``(global sample in the global batch, global position,
   feature...)``: a data-parallel rank's rows start at ``batch_index * local rows``; microbatch
   ``i`` of ``m`` (equal) microbatches of that rank's local batch at ``(batch_index * m + i) *
-  rows``; a sequence-parallel shard's positions at ``seq_index * local positions``.
+  microbatch rows``; a sequence-parallel shard's positions at ``seq_index * local positions``.
 
-A pipeline runs a stage's forward once per microbatch; :class:`MicrobatchDropout` gives every
-such forward the counter the whole-batch forward has (it does not advance per microbatch) and
-the microbatch's rows, then leaves each counter where one whole-batch forward would.
+Kept elements are scaled by ``1 / (1 - p)``, as ``nn.Dropout``. A pipeline runs a stage's forward
+once per microbatch; :class:`MicrobatchDropout` gives every such forward the counter the
+whole-batch forward has (it does not advance per microbatch) and the microbatch's rows, then
+leaves each counter where one whole-batch forward would. Gradient accumulation by hand (several
+forwards per optimizer step under ``no_sync()``) can use it the same way. A recompute
+(``torch.utils.checkpoint`` around a module with dropout) calls the module a second time and
+draws the next counter's mask: not supported.
 """
 
 from __future__ import annotations
@@ -274,8 +278,16 @@ class MicrobatchDropout:
 def mesh_independent_dropout(model: nn.Module, seed: int = 0) -> list[MeshDropout]:
     """Replace every ``nn.Dropout`` of ``model`` by a :class:`MeshDropout` (in place).
 
-    The stream of each is a hash of its module path, so the same model gets the same masks in
-    any process. Returns the new modules.
+    The stream of each is a hash (CRC-32) of its module path, so the same model gets the same
+    masks in any process, and its counter starts at 0.
+
+    Args:
+        model: the module whose ``nn.Dropout`` children (at any depth) are replaced; each new
+            module keeps the old one's ``p`` and training mode.
+        seed: the run's dropout seed.
+
+    Returns:
+        The new modules, in ``named_modules()`` order.
     """
     made = []
     for path, module in list(model.named_modules()):

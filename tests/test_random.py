@@ -88,7 +88,8 @@ def test_microbatch_forwards_draw_the_whole_batch_masks(count, batch_parts, seq_
             block = (slice(rows * batch_index, rows * (batch_index + 1)), slice(cols * seq_index, cols * (seq_index + 1)))
             local = _TwiceDropped()
             for drop in (local.a, local.b):
-                drop.batch_parts, drop.batch_index, drop.seq_parts, drop.seq_index = batch_parts, batch_index, seq_parts, seq_index
+                drop.batch_parts, drop.batch_index = batch_parts, batch_index
+                drop.seq_parts, drop.seq_index = seq_parts, seq_index
             for step in range(2):
                 whole.a.calls, whole.b.calls = 2 * step, step
                 expected = whole(x)[block]
@@ -112,7 +113,8 @@ def test_dropout_errors():
             MicrobatchDropout(stage, bad)
     drops = MicrobatchDropout(stage, 2)
     for bad in (2, -1, 1.0):
-        with pytest.raises(ValueError, match=rf"microbatch index must be an int in \[0, 2\) \(count=2 microbatches\), got {bad!r}"):
+        message = rf"microbatch index must be an int in \[0, 2\) \(count=2 microbatches\), got {bad!r}"
+        with pytest.raises(ValueError, match=message):
             with drops.forward(bad):
                 pass
     assert (stage.a.calls, stage.a.microbatch) == (0, (0, 1))  # untouched by a refused index
