@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import shardlib
 from shardlib.models import GPTConfig, tp_specs
-from shardlib.random import MeshDropout, counter_normal_, counter_uniform, mesh_independent_dropout
+from shardlib.random import MeshDropout, MicrobatchDropout, counter_normal_, counter_uniform, mesh_independent_dropout
 from shardlib.spec import shard_range
 from shardlib.testing import assert_equivalent
 from shardlib.testing.models import gpt_for_tests
@@ -61,6 +61,63 @@ def test_dropout_mask_equals_single_device_slice():
     assert 0.3 < (full == 0).float().mean() < 0.7
     whole.eval()
     assert torch.equal(whole(x), x)
+
+
+class _TwiceDropped(torch.nn.Module):
+    """Calls one dropout twice per forward (a shared module), and a second one once."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MeshDropout(0.5, seed=7, stream=1), MeshDropout(0.3, seed=7, stream=2)
+
+    def forward(self, x):
+        return self.b(self.a(self.a(x)))
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("batch_parts,seq_parts", [(1, 1), (2, 1), (2, 3)])
+def test_microbatch_forwards_draw_the_whole_batch_masks(count, batch_parts, seq_parts):
+    """m microbatch forwards, in any order, of a data- and sequence-parallel rank's block draw
+    that block of the one-process masks, for two steps; the counters advance per step as in one
+    process (2 and 1 calls per forward), not per microbatch."""
+    x = torch.ones(8 * batch_parts, 6, 3)  # the global batch
+    whole = _TwiceDropped()
+    rows, cols = 8, 6 // seq_parts
+    for batch_index in range(batch_parts):
+        for seq_index in range(seq_parts):
+            block = (slice(rows * batch_index, rows * (batch_index + 1)), slice(cols * seq_index, cols * (seq_index + 1)))
+            local = _TwiceDropped()
+            for drop in (local.a, local.b):
+                drop.batch_parts, drop.batch_index = batch_parts, batch_index
+                drop.seq_parts, drop.seq_index = seq_parts, seq_index
+            for step in range(2):
+                whole.a.calls, whole.b.calls = 2 * step, step
+                expected = whole(x)[block]
+                drops = MicrobatchDropout(local, count)
+                parts = {}
+                for i in reversed(range(count)):  # a pipeline's order is the schedule's
+                    with drops.forward(i):
+                        parts[i] = local(x[block].chunk(count)[i])
+                assert torch.equal(torch.cat([parts[i] for i in range(count)]), expected)
+                assert (local.a.calls, local.b.calls) == (2 * (step + 1), step + 1)
+                assert local.a.microbatch == local.b.microbatch == (0, 1)  # a plain forward after the step
+
+
+def test_dropout_errors():
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=rf"MeshDropout: p \(the drop probability\) must be in \[0, 1\), got {bad!r}"):
+            MeshDropout(bad)
+    stage = _TwiceDropped()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"count \(microbatches per step\) must be a positive int, got {bad!r}"):
+            MicrobatchDropout(stage, bad)
+    drops = MicrobatchDropout(stage, 2)
+    for bad in (2, -1, 1.0):
+        message = rf"microbatch index must be an int in \[0, 2\) \(count=2 microbatches\), got {bad!r}"
+        with pytest.raises(ValueError, match=message):
+            with drops.forward(bad):
+                pass
+    assert (stage.a.calls, stage.a.microbatch) == (0, (0, 1))  # untouched by a refused index
 
 
 def test_mesh_independent_dropout_replaces_every_dropout_module():

@@ -18,6 +18,11 @@ embedding and LM head) have their gradients summed over ``pp`` first, so the cop
 Under sequence parallelism (arXiv 2205.05198) the first stage splits the sequence at the model's
 entry and every transfer carries a microbatch's sequence shard ``(batch / m, seq / tp, hidden)``
 between ranks of the same tensor coordinate (:mod:`shardlib.pipeline_plan` plans and checks it).
+
+Dropout stays mesh-independent (:mod:`shardlib.random`): each microbatch forward draws its rows
+of the global batch's mask, with the counter of the step's whole-batch forward
+(:class:`~shardlib.random.MicrobatchDropout`), so any ``p``, ``m``, ``v`` and schedule draws the
+masks of one process, and the counters advance once per step, as there.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce, wait_works
+from ..random import MicrobatchDropout
 from .schedules import Action, build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
@@ -230,6 +236,7 @@ class PipelineRunner:
         losses: list = [None] * m
         outs: list = [None] * m
         pending: list = []
+        drops = MicrobatchDropout(self.smodel.module, m)  # masks by global sample, counters per step
         self.timeline = []
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis
@@ -239,7 +246,7 @@ class PipelineRunner:
             if a.kind == "F":
                 inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
                 start = time.perf_counter()  # compute only: waiting for the input is idle time
-                with self.smodel.no_sync():
+                with self.smodel.no_sync(), drops.forward(a.microbatch):
                     out = self.smodel(chunk, inp)
                 if a.stage == last:
                     loss = criterion(out, *[y[a.microbatch] for y in ys])
