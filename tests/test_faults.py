@@ -282,3 +282,33 @@ def test_killed_rank_is_named_gone():
     exc, msg = err.errors[0]
     assert exc == "RankFailureError", msg
     assert "rank 1 is gone" in msg and "pid" in msg and "Connection closed" not in msg.split("\n")[0], msg
+
+
+# -- the NCCL branch of the waits, forced on gloo ----------------------------------------------------
+
+def _forced_nccl_branch():
+    import torch
+
+    import shardlib
+    from shardlib.mesh.collectives import raw_all_gather, raw_reduce_scatter
+
+    mesh = shardlib.init_mesh({"dp": 2})
+    mesh.backend = "nccl"  # the collectives' and waits' non-gloo branches (gloo runs these calls too)
+    try:
+        r = mesh.rank
+        out = torch.empty(4)
+        raw_all_gather(out, torch.tensor([r + 1.0, r + 2.0]), mesh, "dp")
+        shard = torch.empty(2)
+        raw_reduce_scatter(shard, torch.arange(4.0) * (r + 1), mesh, "dp", op="avg")
+        total = shardlib.all_reduce(torch.ones(2) * (r + 1), "dp")
+        return out.tolist(), shard.tolist(), total.tolist(), mesh.trace.records(3)[-1]["kind"]
+    finally:
+        mesh.backend = "gloo"
+
+
+def test_nccl_branch_forced_on_gloo():
+    res = run_on(2, _forced_nccl_branch)
+    for r, (gathered, shard, total, last) in enumerate(res):
+        assert gathered == [1.0, 2.0, 2.0, 3.0]
+        assert shard == [1.5 * x for x in ((0.0, 1.0) if r == 0 else (2.0, 3.0))]  # mean of x and 2x
+        assert total == [3.0, 3.0] and last == "all_reduce"

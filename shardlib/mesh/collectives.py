@@ -75,9 +75,11 @@ class Handle:
 def wait_works(mesh: Mesh, works, rec, p2p: bool) -> None:
     """Wait for ``works`` under the mesh timeout; on gloo through the watchdog (a stall or a
     lost peer raises a :class:`~shardlib.errors.CollectiveError` naming ranks and collectives)."""
-    dog = mesh.watchdog
-    if dog is not None and mesh.backend == "gloo":
-        dog.wait(works, rec, mesh.timeout, p2p)
+    if mesh.backend != "gloo":
+        for w in works:  # NCCL: the current stream waits for the collective, the host goes on (a timeout
+            w.wait()     # argument would block the host); the group's timeout bounds it in the NCCL watchdog
+    elif mesh.watchdog is not None:
+        mesh.watchdog.wait(works, rec, mesh.timeout, p2p)
     else:
         for w in works:
             w.wait(mesh.timeout)

@@ -5,7 +5,7 @@ second; after ``SHARDLIB_WATCHDOG`` seconds (default 30) without completion it a
 out of band through the ``torch.distributed`` store, for its state: the collective it is
 blocked in, where its main thread is, its step and its last collectives from the trace
 (:mod:`shardlib.mesh.trace`). Each process runs a small thread that answers (it polls the store
-twice a second), so a rank that is busy, idle or blocked answers, and a rank that does not is
+once a second), so a rank that is busy, idle or blocked answers, and a rank that does not is
 probed by pid (``/proc``: gone, or stopped by SIGSTOP) and named as the lost one, not its
 neighbour. :func:`~shardlib.mesh.diagnosis.analyze` turns the states into one message; when it
 is fatal (a rank lost, or the ranks' collectives differ and nobody is on their way) it is
@@ -41,7 +41,7 @@ __all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
 _CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError)}
 _GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
 _SLICE = 1.0
-_POLL = 0.5
+_POLL = 1.0
 _RECORDS = 128
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
