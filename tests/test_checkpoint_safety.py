@@ -389,3 +389,81 @@ def test_export_safetensors_overwrite_and_a_failed_write(tmp_path):
                           r"'[^']*/model\.safetensors' is as it was", _export, str(path), True, True)
     assert _snapshot(tmp_path) == before
 
+
+# -- train_gpt.py: an older run's --ckpt-dir --------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _older_run(folder):
+    """A --ckpt-dir as an older run left it: a checkpoint (its marker is what is looked at) and
+    a file of the user's."""
+    os.makedirs(folder / "step_000002")
+    (folder / "step_000002" / ckpt.MARKER).write_text('{"format": 1, "time": 0}')
+    (folder / "important.txt").write_text("results\n")
+
+
+def test_train_gpt_refuses_an_older_runs_ckpt_dir_at_start(tmp_path):
+    """Exit status 2 with one line naming the folder, what it holds and both flags, before any
+    training; the folder is unchanged (the old script trained and replaced step_000002, leaving a
+    folder that mixed two runs)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    _older_run(folder)
+    before = _snapshot(folder)
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--mesh", "dp=1", "--steps", "2",
+           "--batch-size", "2", "--block-size", "8", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--sample",
+           "0", "--eval-batches", "1", "--ckpt-dir", str(folder), "--save-every", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SHARDLIB_TRACEBACK")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(env, OMP_NUM_THREADS="1"),
+                         cwd=tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout == "" and len(out.stderr.splitlines()) == 1, out.stderr  # nothing started
+    assert out.stderr.startswith(f"train_gpt.py: error: --ckpt-dir {folder} already holds checkpoints step_000002 "
+                                 f"and other entries important.txt (from an earlier run?)"), out.stderr
+    assert f"Fix: --resume {folder} to continue that run, --overwrite-ckpt to save there anyway" in out.stderr
+    assert _snapshot(folder) == before
+
+
+def _train_gpt_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_gpt_output_checks(tmp_path):
+    """What check_outputs() allows: a new or empty --ckpt-dir, --resume into it (the folder or one
+    of its checkpoints; not another folder), --overwrite-ckpt, --eval-only (it saves nothing);
+    and what it refuses: an existing --export-safetensors file or a folder there."""
+    train_gpt = _train_gpt_module()
+    folder = tmp_path / "ckpt"
+    _older_run(folder)
+    os.makedirs(tmp_path / "empty")
+    (tmp_path / "model.safetensors").write_bytes(b"an earlier export")
+
+    def check(*argv):
+        train_gpt.check_outputs(train_gpt.parse_args(list(argv)))
+
+    for argv in ((), ("--ckpt-dir", str(tmp_path / "new")), ("--ckpt-dir", str(tmp_path / "empty")),
+                 ("--ckpt-dir", str(folder), "--resume", str(folder)),
+                 ("--ckpt-dir", str(folder), "--resume", str(folder / "step_000002")),
+                 ("--ckpt-dir", str(folder), "--overwrite-ckpt"), ("--ckpt-dir", str(folder), "--eval-only"),
+                 ("--export-safetensors", str(tmp_path / "model.safetensors"), "--overwrite-ckpt")):
+        check(*argv)  # allowed: no SystemExit
+    with pytest.raises(SystemExit, match=r"--ckpt-dir [^ ]*/ckpt already holds checkpoints step_000002 and other "
+                                         r"entries important\.txt \(from an earlier run\?\)"):
+        check("--ckpt-dir", str(folder), "--resume", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit, match=r"--ckpt-dir [^ ]*/important\.txt: it is a file, not a folder"):
+        check("--ckpt-dir", str(folder / "important.txt"))
+    with pytest.raises(SystemExit, match=r"--export-safetensors [^ ]*/model\.safetensors: the file already exists\. "
+                                         r"Fix: --overwrite-ckpt to replace it, or another file name"):
+        check("--export-safetensors", str(tmp_path / "model.safetensors"))
+    with pytest.raises(SystemExit, match=r"--export-safetensors [^ ]*/empty: it is a folder; name the file to write"):
+        check("--export-safetensors", str(tmp_path / "empty"), "--overwrite-ckpt")
+    args = train_gpt.parse_args(["--ckpt-dir", str(folder), "--resume", str(folder / "step_000002")])
+    assert train_gpt.resumes_into(args) and not train_gpt.resumes_into(train_gpt.parse_args(["--ckpt-dir", str(folder)]))
