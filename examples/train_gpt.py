@@ -9,6 +9,7 @@ Launch:
     torchrun ... examples/train_gpt.py --ckpt-dir runs/ckpt --save-every 100      # sharded checkpoints
     torchrun ... examples/train_gpt.py --resume runs/ckpt                         # newest one, any mesh
     torchrun ... examples/train_gpt.py --resume runs/ckpt --eval-only             # validation loss only
+    torchrun ... examples/train_gpt.py --resume runs/ckpt --ckpt-dir runs/ckpt    # continue, saving there too
 
 Every rank draws the same *global* batch from a generator seeded with ``--seed`` and keeps its
 slice (``shardlib.distribute``), so ``--check N`` can replay the first N steps in one process,
@@ -16,7 +17,10 @@ unsharded, on exactly the same batches, and compare the losses.
 
 Checkpoints (``shardlib.checkpoint``) hold the sharded parameters and AdamW state, the step, the
 batch generator's state and the loss history: ``--resume`` continues exactly where the run
-stopped (on the same mesh bit for bit; on another mesh or ZeRO stage up to rounding).
+stopped (on the same mesh bit for bit; on another mesh or ZeRO stage up to rounding). A
+``--ckpt-dir`` that already holds anything (an older run's checkpoints) is refused at start unless
+``--resume`` points into it (a continued run replaces the checkpoints of the steps it repeats) or
+``--overwrite-ckpt`` is given; so is an existing ``--export-safetensors`` file.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rank 0 prints this many sampled bytes from the trained model (0: none)")
     p.add_argument("--log-json", default=None, metavar="PATH", help="write the loss curve here")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="write sharded checkpoints DIR/step_NNNNNN")
+    p.add_argument("--overwrite-ckpt", action="store_true",
+                   help="allow a --ckpt-dir that is not empty (its checkpoints of the steps this run saves are "
+                        "replaced, the others kept) and an existing --export-safetensors file")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="checkpoint every N steps and at the end (needs --ckpt-dir; 0: only at the end)")
     p.add_argument("--resume", default=None, metavar="PATH",
@@ -214,13 +221,53 @@ def resume_path(path: str) -> str:
     return found
 
 
+def resumes_into(args) -> bool:
+    """Whether ``--resume`` is the ``--ckpt-dir`` or a checkpoint directly inside it."""
+    if not (args.resume and args.ckpt_dir):
+        return False
+    folder, resume = os.path.realpath(args.ckpt_dir), os.path.realpath(args.resume)
+    return resume == folder or os.path.dirname(resume) == folder
+
+
+def check_outputs(args) -> None:
+    """Refuse, at start (every rank sees the same files, so every rank refuses), outputs that
+    would replace or mix with an older run's: a --ckpt-dir that is not empty, unless --resume
+    points into it or --overwrite-ckpt is given; an existing --export-safetensors file, unless
+    --overwrite-ckpt. ``SystemExit``: one line through main_guard, exit status 2."""
+    folder = args.ckpt_dir
+    if folder and not args.eval_only and os.path.lexists(folder):
+        if not os.path.isdir(folder):
+            raise SystemExit(f"--ckpt-dir {folder}: it is a file, not a folder; name a folder for the checkpoints")
+        names = sorted(os.listdir(folder))
+        if names and not (args.overwrite_ckpt or resumes_into(args)):
+            from shardlib import checkpoint
+
+            ckpts = [n for n in names if os.path.exists(os.path.join(folder, n, checkpoint.MARKER))]
+            others = [n for n in names if n not in ckpts]
+            held = " and ".join(f"{what} {', '.join(group[:4])}{', ...' if len(group) > 4 else ''}"
+                                for what, group in (("checkpoints", ckpts), ("other entries", others)) if group)
+            raise SystemExit(
+                f"--ckpt-dir {folder} already holds {held} (from an earlier run?): this run's checkpoints "
+                f"would replace or mix with them. Fix: --resume {folder} to continue that run, --overwrite-ckpt to "
+                f"save there anyway (replacing the checkpoints of the steps this run saves), or another --ckpt-dir")
+    export = args.export_safetensors
+    if export and os.path.isdir(export):
+        raise SystemExit(f"--export-safetensors {export}: it is a folder; name the file to write, such as "
+                         f"{os.path.join(export, 'model.safetensors')}")
+    if export and os.path.lexists(export) and not args.overwrite_ckpt:
+        raise SystemExit(f"--export-safetensors {export}: the file already exists. Fix: --overwrite-ckpt to replace "
+                         f"it, or another file name")
+
+
 def save_checkpoint(smodel, opt, args, step: int, data_gen: torch.Generator, history: list) -> str:
-    """Sharded checkpoint after ``step`` steps (every rank): weights, AdamW state, data position."""
+    """Sharded checkpoint after ``step`` steps (every rank): weights, AdamW state, data position.
+    A checkpoint of this step already there is replaced only when allowed by check_outputs():
+    --overwrite-ckpt, or a run resumed from this --ckpt-dir (which repeats the later steps)."""
     from shardlib import checkpoint
 
     path = os.path.join(args.ckpt_dir, f"step_{step:06d}")
     extra = dict(step=step, data_rng=data_gen.get_state(), history=history, args=vars(args))
-    return checkpoint.save(path, smodel, opt, extra=extra)
+    return checkpoint.save(path, smodel, opt, extra=extra, overwrite=args.overwrite_ckpt or resumes_into(args))
 
 
 def local(batch, smodel, device):
@@ -258,6 +305,7 @@ def main(argv=None) -> int:
     if args.eval_only and not args.resume:
         raise SystemExit("--eval-only evaluates a trained model: it needs --resume CHECKPOINT (without it the model "
                          "is freshly initialized)")
+    check_outputs(args)  # before anything starts: an older run's checkpoints are not replaced
     mesh = shardlib.init_mesh(parse_mesh(args.mesh))
     is_main = mesh.rank == 0
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -331,7 +379,7 @@ def main(argv=None) -> int:
     if args.export_safetensors:
         from shardlib import checkpoint
 
-        if checkpoint.export_safetensors(args.export_safetensors, smodel) and is_main:
+        if checkpoint.export_safetensors(args.export_safetensors, smodel, overwrite=args.overwrite_ckpt) and is_main:
             print(f"full weights: {args.export_safetensors}")
 
     if pipelined:  # every stage's actions of the last step, drawn on rank 0

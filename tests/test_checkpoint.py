@@ -283,7 +283,7 @@ def _kill_mid_save(path):
             os._exit(17)
 
         FileSystemWriter.write_data = write_then_die
-    ckpt.save(path, smodel, opt, extra={"step": 2})  # overwrites path: killed midway
+    ckpt.save(path, smodel, opt, extra={"step": 2}, overwrite=True)  # replaces path: killed midway
 
 
 def _load_after_kill(path):

@@ -15,9 +15,15 @@ then checks that the boxes of every tensor neither overlap nor leave holes. Opti
 (per-element tensors such as AdamW's ``exp_avg``) is saved per original parameter with the same
 boxes, so it reshards too.
 
-Files. ``save`` writes into ``<path>.partial``, then rank 0 adds ``shardlib_checkpoint.json``
-and renames the folder to ``<path>`` after every rank finished: a process killed mid-save leaves
-the previous checkpoint untouched, and a folder without the json is refused by :func:`load`.
+Files (``_files``). ``save`` writes into ``<path>.partial`` (made by rank 0 with an ownership
+file, ``.shardlib_partial.json``), then rank 0 adds ``shardlib_checkpoint.json`` and renames the
+folder to ``<path>`` after every rank finished: a process killed mid-save leaves the previous
+checkpoint untouched, and a folder without the json is refused by :func:`load`. ``save`` never
+deletes or replaces what it did not write (a user's folder or file at ``<path>``,
+``<path>.partial`` or ``<path>.old`` is refused before anything is written), and replaces a
+finished checkpoint only with ``overwrite=True``. A failure on one rank while writing (rank 0's
+folder, any rank's data files, rank 0's marker and renames) or reading (a damaged data file)
+is the same :class:`CheckpointError` on every rank: the ranks exchange their errors at each step.
 
 Keys: ``model.<name>`` (parameters and persistent buffers), ``optim.<name>.<state>``,
 ``optim.param_groups``, ``dropout.<module path>`` (counters of the mesh-independent dropout),
@@ -26,10 +32,8 @@ Keys: ``model.<name>`` (parameters and persistent buffers), ``optim.<name>.<stat
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import time
 import warnings
 from typing import Any
@@ -37,12 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import ShardingError
 from ..random import MeshDropout
-from ..shard import ShardedModule, full_state_dict
+from ..shard import ShardedModule
 from ..state_names import persistent_buffers
+from ._export import export_safetensors
+from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check_save_target, describe, failure_of,
+                     finish_partial, prepare_partial, read_marker, short_error)
 from ._fit import fit_problems
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
@@ -50,14 +57,6 @@ from ._planner import Boxes, LoadPlanner, SavePlanner
 __all__ = ["save", "load", "export_safetensors", "latest", "CheckpointError", "MARKER"]
 
 FORMAT_VERSION = 1
-MARKER = "shardlib_checkpoint.json"  # written last: its presence means the save finished
-_PARTIAL = ".partial"
-
-
-class CheckpointError(ShardingError):
-    """A checkpoint that cannot be loaded here: missing, unfinished, or not matching the model.
-
-    Raised on every rank before any communication (each rank reads the same files)."""
 
 
 # -- what a rank writes and reads ------------------------------------------------------------------
@@ -144,7 +143,8 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
 
 # -- public API --------------------------------------------------------------------------------
 
-def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, extra: dict | None = None) -> str:
+def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, extra: dict | None = None,
+         overwrite: bool = False) -> str:
     """Write a sharded checkpoint of ``smodel`` (and ``optimizer``) to the folder ``path``.
 
     Collective: call on every rank with the same ``path`` (on a file system every rank sees).
@@ -154,23 +154,35 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     buffers, optimizer hyperparameters, the counters of the mesh-independent dropout, each rank's
     torch RNG states, and ``extra``.
 
-    Atomic: written to ``<path>.partial``, renamed to ``path`` (replacing an older checkpoint
-    there) after every rank finished; a save killed midway leaves ``path`` as it was.
+    Atomic: written to ``<path>.partial``, renamed to ``path`` after every rank finished; a save
+    killed midway leaves ``path`` as it was. Safe: nothing that save() did not write is deleted
+    or replaced, and a finished checkpoint at ``path`` is replaced only with ``overwrite=True``
+    (it is moved to ``<path>.old`` and removed once the new one is in place).
 
     Args:
-        path: the checkpoint folder.
+        path: the checkpoint folder; it must not exist, or hold a finished shardlib checkpoint
+            (replaced only with ``overwrite``). Missing parent folders are made.
         smodel: a module from :func:`shardlib.shard` (pipelines included).
         optimizer: its :class:`~shardlib.ZeroOptimizer` (per-element state such as AdamW's
             ``exp_avg`` ``(global shape)`` and scalar state such as ``step``), or None.
         extra: picklable values to restore with :func:`load` (step, data position, a
             :class:`~shardlib.GradScaler`'s ``state_dict()``, ...); rank 0's dict is the one saved.
+        overwrite: replace a finished checkpoint at ``path`` (also one at ``<path>.partial`` or
+            ``<path>.old`` that a save stopped while renaming left there).
 
     Returns:
-        ``path`` as a string.
+        ``path`` as a string (absolute).
 
     Raises:
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
-        CheckpointError: an optimizer state that is not per element or scalar.
+        CheckpointError: on every rank, before anything is written or communicated: ``path`` is
+            a file, a link, a folder that is not a finished shardlib checkpoint, or a finished
+            one without ``overwrite``; ``<path>.partial`` or ``<path>.old`` holds something save()
+            did not write; the parent of ``path`` is a file or not writable; an optimizer state
+            that is not per element or scalar. On every rank at once: a failure on any rank while
+            writing (rank 0 making the folder, any rank's DCP write, rank 0's marker and renames),
+            naming the ranks and their errors; ``path`` is then as it was, unless the message
+            says otherwise.
 
     Example:
         >>> import shardlib, tempfile
@@ -181,55 +193,62 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         '.../step_1'
         >>> shardlib.checkpoint.load(f"{d}/step_1", smodel)["step"]
         1
+        >>> shardlib.checkpoint.save(f"{d}/step_1", smodel, overwrite=True)  # doctest: +ELLIPSIS
+        '.../step_1'
     """
     if not isinstance(smodel, ShardedModule):
         raise TypeError(f"checkpoint.save() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
     path = os.path.abspath(os.fspath(path))
-    tmp = path + _PARTIAL
-    sd = _save_state(smodel, optimizer, extra)  # checks first: nothing written yet
-    rank = dist.get_rank()
-    if rank == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # an earlier save that did not finish
-        os.makedirs(tmp)
-    dist.barrier()
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())
-    error = [None]
-    if rank == 0:
+    check_save_target(path, overwrite)  # every rank, before any write or communication
+    sd = _save_state(smodel, optimizer, extra)  # its checks too: nothing written yet
+    rank, tmp = dist.get_rank(), path + PARTIAL
+    left = {"making the folder": f"{path!r} is as it was",
+            "writing the data files": f"{path!r} is as it was; the unfinished save is in {tmp!r} (the next save to "
+                                      f"{path!r} removes it)",
+            "finishing": f"The new checkpoint is in {tmp!r} or {path!r}, the previous one, if any, in {path!r} or "
+                         f"{path + OLD!r} (load() names the folder to use)"}
+
+    def step(what: str, work) -> None:  # ``work`` on this rank; then every rank learns every rank's failure
+        failure = None
         try:
+            work()
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised on every rank below
+            failure = failure_of(exc)
+        failures = agree(failure)  # a collective in place of a bare barrier: no rank waits for the timeout
+        if failures:
+            raise CheckpointError(f"checkpoint.save({path!r}) failed {what} on {describe(failures)}. {left[what]}")
+
+    agree(None)  # every rank has checked the paths before rank 0 changes one (else it might see a half-made folder)
+    step("making the folder", lambda: prepare_partial(path) if rank == 0 else None)
+    step("writing the data files", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner()))
+
+    def finish():
+        if rank == 0:
             info = dict(format=FORMAT_VERSION, world_size=dist.get_world_size(), mesh=dict(smodel.mesh.shape),
                         zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None,
                         optimizer_class=_optimizer_kind(optimizer.optimizer) if optimizer is not None else None,
                         time=time.time())
-            with open(os.path.join(tmp, MARKER + ".tmp"), "w") as f:
-                json.dump(info, f, indent=1)
-            os.replace(os.path.join(tmp, MARKER + ".tmp"), os.path.join(tmp, MARKER))
-            old = path + ".old"
-            if os.path.exists(path):
-                if os.path.exists(old):
-                    shutil.rmtree(old)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
-            error = [f"{type(exc).__name__}: {exc}"]
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise CheckpointError(f"checkpoint.save({path!r}): rank 0 could not finish the checkpoint: {error[0]}")
+            finish_partial(path, info)
+
+    step("finishing", finish)
     return path
 
 
 def _check_complete(path: str) -> dict:
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a file" if os.path.isfile(path) else "a broken symbolic link" if os.path.islink(path) else "not a folder"
+        raise CheckpointError(f"checkpoint {path!r} is {what}, not a checkpoint folder: pass the folder save() wrote "
+                              f"(it holds {MARKER} and .metadata)")
     if not os.path.isdir(path):
-        if os.path.exists(os.path.join(path + _PARTIAL, MARKER)):  # stopped between the final renames
-            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + _PARTIAL!r} is a finished save that was "
+        if os.path.exists(os.path.join(path + PARTIAL, MARKER)):  # stopped between the final renames
+            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + PARTIAL!r} is a finished save that was "
                                   f"not renamed (stopped while renaming): rename it to {path!r} to load it")
-        if os.path.isdir(path + _PARTIAL):
+        if os.path.isdir(path + PARTIAL):
             raise CheckpointError(
-                f"checkpoint {path!r} does not exist; {path + _PARTIAL!r} is a save that did not finish (killed or "
+                f"checkpoint {path!r} does not exist; {path + PARTIAL!r} is a save that did not finish (killed or "
                 f"failed before every rank was done). Load an earlier checkpoint")
-        if os.path.isdir(path + ".old"):  # killed between the two renames of an overwrite
-            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + '.old'!r} is the checkpoint it was "
+        if os.path.isdir(path + OLD):  # killed between the two renames of an overwrite
+            raise CheckpointError(f"checkpoint {path!r} does not exist; {path + OLD!r} is the checkpoint it was "
                                   f"replacing (the save stopped while renaming): rename it back to load it")
         raise CheckpointError(f"checkpoint {path!r} does not exist (no such folder)")
     missing = [f for f in (MARKER, ".metadata") if not os.path.exists(os.path.join(path, f))]
@@ -237,8 +256,7 @@ def _check_complete(path: str) -> dict:
         raise CheckpointError(
             f"checkpoint {path!r} is incomplete: it has no {' and no '.join(missing)} (written last, after every rank "
             f"finished), so the save that made it did not finish. Load an earlier checkpoint")
-    with open(os.path.join(path, MARKER)) as f:
-        info = json.load(f)
+    info = read_marker(path)
     if info.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path!r} has format {info.get('format')}, this shardlib reads {FORMAT_VERSION}")
     return info
@@ -273,8 +291,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         The ``extra`` dict given to :func:`save` (``{}`` if none).
 
     Raises:
-        CheckpointError: on every rank before any communication: ``path`` missing or a save that
-            did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a parameter,
+        CheckpointError: on every rank before any communication: ``path`` missing, a file, or a
+            save that did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a
+            damaged ``shardlib_checkpoint.json`` or ``.metadata`` (the file is named); a parameter,
             buffer or per-element optimizer state of another global shape; with ``strict``, a
             parameter or buffer missing from the checkpoint, or checkpoint entries that no rank
             of the model holds (a checkpoint of a model with more layers: named, a few and the
@@ -282,7 +301,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             separate tensors; a prefix that tells all names apart (a wrapped model) is named
             first; with ``strict=False``, a checkpoint none of whose entries has a name of the
             model; ``optimizer`` given but the checkpoint has no optimizer state, or the state of
-            another optimizer class (AdamW saved, SGD given).
+            another optimizer class (AdamW saved, SGD given). On every rank at once, after
+            reading has started: a data file (``*.distcp``) that cannot be read on some rank
+            (damaged or missing; the file is named); the model may then be partly loaded.
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
     """
     if not isinstance(smodel, ShardedModule):
@@ -290,8 +311,15 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     path = os.path.abspath(os.fspath(path))
     inner = _inner(optimizer)
     info = _check_complete(path)
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    reader = Reader(path)
+    try:
+        metadata = reader.read_metadata()
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    except Exception as exc:  # noqa: BLE001 - unpickling garbage raises many kinds
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its file '.metadata' (DCP's index of the saved "
+                              f"tensors) cannot be read ({short_error(exc)}). Load an earlier checkpoint") from None
+    saved = metadata.state_dict_metadata
     if inner is not None and not info.get("optimizer"):
         raise CheckpointError(f"checkpoint {path!r} was saved without optimizer state; call load() without optimizer")
     if inner is not None and info.get("optimizer_class") not in (None, _optimizer_kind(inner)):
@@ -351,7 +379,12 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         if key in saved:
             sd[key] = None
     planner = LoadPlanner()
-    dcp.load(sd, storage_reader=reader, planner=planner)
+    try:  # DCP gathers every rank's read errors: a damaged file read by one rank fails every rank
+        dcp.load(sd, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the same error on every rank
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be read: {describe(failure_of(exc))}. It may be damaged, and the model"
+            f"{' and optimizer' if inner is not None else ''} partly loaded: load an earlier checkpoint") from None
     got = planner.loaded
     for path_, drop in _dropouts(smodel).items():
         drop.calls = got.get(f"dropout.{path_}", drop.calls)
@@ -374,48 +407,31 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
 
 
 def latest(folder: str | os.PathLike) -> str | None:
-    """The newest finished checkpoint under ``folder`` (by the time in its
-    ``shardlib_checkpoint.json``), or None; unfinished ``*.partial`` folders are ignored."""
-    best, best_time = None, -math.inf
-    if not os.path.isdir(folder):
-        return None
-    for entry in os.listdir(folder):
-        marker = os.path.join(folder, entry, MARKER)
-        if entry.endswith(_PARTIAL) or not os.path.exists(marker):
-            continue
-        with open(marker) as f:
-            t = json.load(f).get("time", 0)
-        if t > best_time:
-            best, best_time = os.path.join(folder, entry), t
-    return best
+    """The newest finished checkpoint under ``folder`` (by the time in its marker), or None.
 
+    Unfinished ``*.partial`` folders are ignored. A checkpoint whose ``shardlib_checkpoint.json``
+    cannot be read (damaged) is skipped with a ``UserWarning`` naming it, so a resume takes the
+    newest readable one.
 
-def export_safetensors(path: str | os.PathLike, smodel: ShardedModule) -> str | None:
-    """Write the full state dict of ``smodel`` to one ``.safetensors`` file (on rank 0).
-
-    Collective (it gathers the shards: call on every rank). Tensors have their global shapes and
-    the original names, as ``model.state_dict()`` of the unsharded model: tied names each get
-    their own copy (safetensors stores no shared tensors), so ``model.load_state_dict(
-    safetensors.torch.load_file(path))`` works for the reference GPT and for Hugging Face models
-    sharded with the presets.
+    Args:
+        folder: a folder of checkpoint folders (``train_gpt.py``'s ``--ckpt-dir``).
 
     Returns:
-        ``path`` on rank 0, None elsewhere.
+        The path of the newest checkpoint in ``folder``, None if it has none (or is no folder).
     """
-    from safetensors.torch import save_file
-
-    state = full_state_dict(smodel, rank0_only=True)
-    if dist.get_rank() != 0:
+    best, best_time = None, -math.inf
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
         return None
-    seen: set[int] = set()
-    out = {}
-    for name, t in state.items():
-        t = t.detach().cpu()
-        ptr = t.untyped_storage().data_ptr()
-        out[name] = t.clone().contiguous() if ptr in seen or not t.is_contiguous() else t
-        seen.add(ptr)
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(out, path + ".tmp", metadata={"format": "pt"})
-    os.replace(path + ".tmp", path)
-    return path
+    for entry in sorted(os.listdir(folder)):
+        path = os.path.join(folder, entry)
+        if entry.endswith(PARTIAL) or not os.path.lexists(os.path.join(path, MARKER)):
+            continue
+        try:
+            t = read_marker(path).get("time", 0)
+        except CheckpointError as exc:
+            warnings.warn(f"checkpoint.latest({folder!r}) skips {entry!r}: {exc}", stacklevel=2)
+            continue
+        if t > best_time:
+            best, best_time = path, t
+    return best
