@@ -117,13 +117,14 @@ def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: i
     if all(r == rows[0] for r in rows):
         return
     from ..errors import CollectiveMismatchError
+    from .diagnosis import ordinal
 
     ranks = mesh.axis_ranks(names)
     dtypes = {v: k for k, v in _DTYPE_IDS.items()}
 
     def say(row):
         return (f"{_KINDS[row[0]]}(shape {tuple(row[3:3 + row[2]])}, {dtypes.get(row[1], '?').replace('torch.', '')}"
-                + (f", op/dim {row[12]}" if row[12] else "") + f"), its {row[11] + 1}th on the group")
+                + (f", op/dim {row[12]}" if row[12] else "") + f"), its {ordinal(row[11] + 1)} on the group")
 
     detail = "; ".join(f"rank {r}: {say(row)}" for r, row in zip(ranks, rows))
     sites = _peer_sites(mesh, rec, ranks)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .trace import format_record, signature
 
-__all__ = ["analyze", "first_difference", "describe_difference", "LOST"]
+__all__ = ["analyze", "first_difference", "describe_difference", "ordinal", "LOST"]
 
 LOST = ("gone", "stopped", "silent")
 _STUCK = ("waiting", "untraced", "returned", "exited") + LOST
@@ -40,7 +40,8 @@ def _axis(label: str) -> str:
     return label.split("[")[0].split("#")[0]
 
 
-def _ordinal(n: int) -> str:
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``21st``."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
 
@@ -82,7 +83,7 @@ def describe_difference(states: dict[int, dict], diff=None) -> list[str]:
     if diff is None:
         return []
     _, label, gseq, recs = diff
-    lines = [f"First difference: the {_ordinal(gseq + 1)} collective on axis {_axis(label)!r} (group {label}):"]
+    lines = [f"First difference: the {ordinal(gseq + 1)} collective on axis {_axis(label)!r} (group {label}):"]
     for r, rec in sorted(recs.items()):
         if rec is None:
             n = sum(1 for x in states[r].get("records") or () if x["group"] == label)
@@ -99,7 +100,7 @@ def _now(s: dict) -> str:
     st, step = s["status"], s.get("step", 0)
     if st == "waiting":
         rec = s["waiting"]
-        return (f"{who}: waiting {s.get('waited_s', 0):.0f} s in {format_record(rec)} (the {_ordinal(rec['gseq'] + 1)} on "
+        return (f"{who}: waiting {s.get('waited_s', 0):.0f} s in {format_record(rec)} (the {ordinal(rec['gseq'] + 1)} on "
                 f"its group {rec['group']}), in step {step + 1}")
     if st == "untraced":
         return f"{who}: blocked in a torch.distributed call shardlib did not issue, at {s.get('frame', '?')}, in step {step + 1}"
@@ -176,6 +177,9 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
                      "batches (one rank runs more steps), evaluation or a collective on one rank only, a layer run a "
                      "different number of times.")
     elif cls == "RankFailureError":
+        if diff is not None:
+            lines.append("The first difference above is the likely cause: gloo aborts a process whose collective "
+                         "receives another size than it expects.")
         lines.append("Fix: read the lost rank's own log (stderr) for why it ended or stopped; restart from the last "
                      "finished checkpoint.")
     return fatal, cls, "\n".join(lines)

@@ -217,12 +217,13 @@ class WorkerGroup:
     def _last_collectives(self, rank: int) -> str:
         """``; its last collectives: ...`` from the trace file a dead worker left (see
         :mod:`shardlib.mesh.trace`), or ``""``."""
+        from .diagnosis import ordinal
         from .trace import format_record, read_trace_file
 
         _, records = read_trace_file(os.path.join(self._dir, f"rank{rank}-{self._procs[rank].pid}.trace"))
         if not records:
             return ""
-        shown = "; ".join(f"{format_record(r)} (the {r['gseq'] + 1}th on {r['group']}, step {r['step'] + 1})"
+        shown = "; ".join(f"{format_record(r)} (the {ordinal(r['gseq'] + 1)} on {r['group']}, step {r['step'] + 1})"
                           for r in records[-3:])
         return f"; its last collectives, oldest first: {shown}"
 
