@@ -118,3 +118,15 @@ def test_trace_ring_file(tmp_path):
     assert format_record(records[-1]).startswith(f"all_gather(axis 'dp', (2, {SLOTS + 4}) float32, chunk {SLOTS + 4})")
     trace._at_exit()
     assert not os.path.exists(path)  # a normal exit removes the file; a crash leaves it for the peers
+
+
+def test_finished_rank_outside_the_waiting_group_is_not_a_verdict():
+    """Ranks 0 and 1 wait in the same slow collective of their group; rank 2 finished, but it is
+    not in that group: nothing is stuck yet."""
+    rec = _rec(0, group="dp[0,1]")
+    states = {0: _state(0, "waiting", [rec], rec), 1: _state(1, "waiting", [rec], rec), 2: _state(2, "returned", [])}
+    assert not analyze(states, 3)[0]
+    rec3 = _rec(0, group="dp[0,1,2]")  # waiting for a group that holds the finished rank: stuck
+    states = {0: _state(0, "waiting", [rec3], rec3), 1: _state(1, "busy", [rec3]), 2: _state(2, "returned", [])}
+    fatal, cls, _ = analyze(states, 3)
+    assert fatal and cls == "CollectiveMismatchError"

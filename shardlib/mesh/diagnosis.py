@@ -137,12 +137,14 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     lost = [s for s in ranks if s["status"] in LOST]
     hard_lost = [s for s in lost if s["status"] != "silent"]
     busy = [s for s in ranks if s["status"] == "busy"]
-    done = [s for s in ranks if s["status"] in ("returned", "exited")]
+    finished = {s["rank"] for s in ranks if s["status"] in ("returned", "exited")}
+    done = [s for s in ranks if s["status"] == "waiting" and finished & set(_members(s["waiting"]["group"]))]
     diff = first_difference(states)
-    fatal = bool(hard_lost) or (not busy and (bool(lost) or diff is not None or bool(done)))
     untraced = not busy and diff is None and any(s["status"] == "untraced" for s in ranks) and any(
         s["status"] == "waiting" for s in ranks)  # one rank in a call of its own, the others in ours
-    fatal = fatal or untraced
+    # stuck: a rank is lost; a rank waits for one that finished; or nobody is on the way and the
+    # collectives differ. Not stuck: a rank is still busy, or every rank waits in the same collective.
+    fatal = bool(hard_lost) or bool(done) or (not busy and (bool(lost) or diff is not None or untraced))
     lines = []
     if hard_lost:
         head = ", ".join(f"rank {s['rank']}" for s in hard_lost)
@@ -163,8 +165,8 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     lines.extend(describe_difference(states, diff))
     lines.append("Now:")
     lines.extend("  " + _now(s) for s in ranks)
-    finished = {s["status"] in ("returned", "exited") for s in ranks}
-    if len({s.get("step", 0) for s in ranks}) > 1 or len(finished) > 1:
+    ended = {s["status"] in ("returned", "exited") for s in ranks}
+    if len({s.get("step", 0) for s in ranks}) > 1 or len(ended) > 1:
         parts = []
         for s in ranks:
             if s["status"] in ("returned", "exited"):
