@@ -37,7 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import ArgumentParser, main_guard, positive_int
+from shardlib.cli import (ArgumentParser, dropout_rate, main_guard, mesh_shape, nonnegative_float, nonnegative_int,
+                          positive_int)
 from shardlib.data import ByteCorpus, open_corpus
 from shardlib.models import GPT, GPTConfig, gpt_preset
 from shardlib.random import mesh_independent_dropout
@@ -49,10 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)  # defaults in --help; a usage error is one line
     p.add_argument("--data", help="a text file or a folder of *.txt/*.py files (default: Python stdlib source)")
     p.add_argument("--val-files", default="", help="comma-separated held-out file names in the --data folder")
-    p.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
+    p.add_argument("--mesh", type=mesh_shape, default=None,
+                   help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"],
                    help="pipeline schedule when the mesh has a pp axis")
-    p.add_argument("--microbatches", type=positive_int, default=4, help="pipeline microbatches per step")
+    p.add_argument("--microbatches", type=positive_int, default=4,
+                   help="pipeline microbatches per step (must divide the batch of each data rank)")
     p.add_argument("--timeline", default="runs/timeline.svg", help="pipeline timeline picture of the last step")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism on the tp axis (norms/dropout on sequence shards)")
@@ -63,24 +66,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-layer", type=positive_int, default=4)
     p.add_argument("--n-head", type=positive_int, default=4)
     p.add_argument("--n-embd", type=positive_int, default=128)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to lr/10")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    p.add_argument("--dropout", type=dropout_rate, default=0.0)
+    p.add_argument("--lr", type=nonnegative_float, default=2e-3)
+    p.add_argument("--warmup", type=nonnegative_int, default=30, help="linear warmup steps, then cosine decay to lr/10")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.1)
+    p.add_argument("--grad-clip", type=nonnegative_float, default=1.0, help="max global grad norm (0: off)")
     p.add_argument("--eval-every", type=positive_int, default=100)
     p.add_argument("--eval-batches", type=positive_int, default=8)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--check", type=int, default=0, metavar="N",
+    p.add_argument("--check", type=nonnegative_int, default=0, metavar="N",
                    help="replay the first N steps unsharded on rank 0 and compare losses")
-    p.add_argument("--sample", type=int, default=200, metavar="BYTES",
+    p.add_argument("--sample", type=nonnegative_int, default=200, metavar="BYTES",
                    help="rank 0 prints this many sampled bytes from the trained model (0: none)")
     p.add_argument("--log-json", default=None, metavar="PATH", help="write the loss curve here")
     p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="write sharded checkpoints DIR/step_NNNNNN")
     p.add_argument("--overwrite-ckpt", action="store_true",
                    help="allow a --ckpt-dir that is not empty (its checkpoints of the steps this run saves are "
                         "replaced, the others kept) and an existing --export-safetensors file")
-    p.add_argument("--save-every", type=int, default=0, metavar="N",
+    p.add_argument("--save-every", type=nonnegative_int, default=0, metavar="N",
                    help="checkpoint every N steps and at the end (needs --ckpt-dir; 0: only at the end)")
     p.add_argument("--resume", default=None, metavar="PATH",
                    help="a checkpoint folder, or a --ckpt-dir (its newest checkpoint), to continue from")
@@ -88,22 +91,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="evaluate the validation loss of the model (from --resume) and exit")
     p.add_argument("--export-safetensors", default=None, metavar="FILE",
                    help="at the end, write the full weights (original names) to one .safetensors file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # what the flags cannot say one at a time, refused here too: one usage line, before any rank starts
+    if args.eval_only and not args.resume:
+        p.error("--eval-only evaluates a trained model: it needs --resume CHECKPOINT (without it the model is freshly "
+                "initialized)")
+    if args.save_every and not args.ckpt_dir:
+        p.error(f"--save-every {args.save_every} needs --ckpt-dir DIR (where the checkpoints go)")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head} (head size n_embd / n_head)")
+    shape = mesh_of(args)
+    data = [a for a in shape if a in ("dp", "fsdp")]  # the plan's default data axes (this script passes no data_axes)
+    ranks = math.prod(shape[a] for a in data)
+    if args.batch_size % ranks:
+        p.error(f"--batch-size {args.batch_size} must be divisible by the data axes {data} of the mesh {shape} "
+                f"({ranks} ranks): every rank trains on an equal share of the global batch (DDP's mean)")
+    if shape.get("pp", 1) > 1 and (args.batch_size // ranks) % args.microbatches:
+        p.error(f"--microbatches {args.microbatches} must divide the batch of each data rank: --batch-size "
+                f"{args.batch_size} over {ranks} data rank(s) of the mesh {shape} is {args.batch_size // ranks} rows")
+    return args
 
 
-def parse_mesh(text: str | None) -> dict[str, int]:
-    """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}``; None -> ``{"dp": WORLD_SIZE or 1}``."""
-    if not text:
-        return {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
-    shape = {}
-    for item in text.split(","):
-        name, _, size = item.partition("=")
-        if not size.strip().isdigit():
-            raise SystemExit(f"--mesh {text!r}: expected axis=size pairs such as dp=2,tp=2")
-        if name.strip() in shape:
-            raise SystemExit(f"--mesh {text!r}: axis {name.strip()!r} is given twice; name each axis once, e.g. dp=2,tp=2")
-        shape[name.strip()] = int(size)
-    return shape
+def mesh_of(args) -> dict[str, int]:
+    """The mesh shape: ``--mesh`` (parsed by :func:`shardlib.cli.mesh_shape`), else
+    ``{"dp": WORLD_SIZE or 1}``."""
+    return dict(args.mesh) if args.mesh else {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 def model_config(args) -> GPTConfig:
@@ -301,12 +313,9 @@ def global_mean(loss: torch.Tensor, smodel) -> float:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.eval_only and not args.resume:
-        raise SystemExit("--eval-only evaluates a trained model: it needs --resume CHECKPOINT (without it the model "
-                         "is freshly initialized)")
+    args = parse_args(argv)  # every flag checked here, before the mesh exists
     check_outputs(args)  # before anything starts: an older run's checkpoints are not replaced
-    mesh = shardlib.init_mesh(parse_mesh(args.mesh))
+    mesh = shardlib.init_mesh(mesh_of(args))
     is_main = mesh.rank == 0
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -321,9 +330,6 @@ def main(argv=None) -> int:
     if pipelined:  # stages over pp, each sharded over the other axes
         options.update(schedule=args.schedule, microbatches=args.microbatches)
     plan = shardlib.plan(model, mesh, specs, **options)  # checked on every rank; a PipelinePlan on a pp mesh
-    if args.batch_size % plan.data_size:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the data axes "
-                         f"{plan.data_axes} ({plan.data_size} ranks)")
     if is_main:  # tokens per micro-batch on one rank, for the tensor-parallel and pipeline traffic
         local_rows = args.batch_size // plan.data_size
         print(plan.explain(tokens=(local_rows // args.microbatches if pipelined else local_rows) * args.block_size))
@@ -350,8 +356,6 @@ def main(argv=None) -> int:
             print(f"val loss {val_loss:.4f} nats/byte after {start} steps ({args.eval_batches} batches of "
                   f"{args.batch_size} x {args.block_size} held-out bytes)")
         return 0
-    if args.save_every and not args.ckpt_dir:
-        raise SystemExit("--save-every needs --ckpt-dir")
     batches = train_batches(corpus, args, data_gen)
     bar = tqdm(range(start, args.steps), disable=not is_main, dynamic_ncols=True)
     for step in bar:

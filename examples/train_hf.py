@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import ArgumentParser, main_guard, positive_int
+from shardlib.cli import ArgumentParser, main_guard, mesh_shape, nonnegative_float, positive_int
 from shardlib.data import open_corpus
 from shardlib.models import gpt2_preset, llama_preset
 
@@ -32,8 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama")
     p.add_argument("--data", default=None, help="a text file or folder (default: the Python standard library)")
     p.add_argument("--val-files", default="", help="comma-separated file names held out for validation")
-    p.add_argument("--mesh", default=None, help="e.g. dp=2,tp=2 (default: dp=WORLD_SIZE)")
-    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--mesh", type=mesh_shape, default=None, help="e.g. dp=2,tp=2 (default: dp=WORLD_SIZE)")
+    p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--batch-size", type=positive_int, default=16, help="global sequences per step")
@@ -41,10 +41,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=positive_int, default=128)
     p.add_argument("--layers", type=positive_int, default=4)
     p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=nonnegative_float, default=2e-3)
     p.add_argument("--eval-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # what the flags cannot say one at a time: one usage line, before any rank starts
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} must be divisible by --heads {args.heads} (head size hidden / heads)")
+    shape = mesh_of(args)
+    if "pp" in shape and shape["pp"] > 1:
+        p.error(f"--mesh {shape}: this script has no pipeline path for Hugging Face models; use dp and tp axes")
+    data = [a for a in shape if a in ("dp", "fsdp")]  # the plan's default data axes (this script passes no data_axes)
+    ranks = math.prod(shape[a] for a in data)
+    if args.batch_size % ranks:
+        p.error(f"--batch-size {args.batch_size} must be divisible by the data axes {data} of the mesh {shape} "
+                f"({ranks} ranks): every rank trains on an equal share of the global batch (DDP's mean)")
+    return args
+
+
+def mesh_of(args) -> dict[str, int]:
+    """The mesh shape: ``--mesh`` (parsed by :func:`shardlib.cli.mesh_shape`), else
+    ``{"dp": WORLD_SIZE or 1}``."""
+    return dict(args.mesh) if args.mesh else {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 def build(args):
@@ -70,9 +88,8 @@ def lm_loss(smodel, x, y) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    pairs = [kv.split("=") for kv in args.mesh.split(",")] if args.mesh else [("dp", os.environ.get("WORLD_SIZE", "1"))]
-    mesh = shardlib.init_mesh({k: int(v) for k, v in pairs})
+    args = parse_args(argv)  # every flag checked here, before the mesh exists
+    mesh = shardlib.init_mesh(mesh_of(args))
     corpus = open_corpus(args.data, [f for f in args.val_files.split(",") if f])  # --val-files needs --data
     model, preset = build(args)
     specs = preset.specs if "tp" in mesh.axis_names else None

@@ -8,12 +8,22 @@ Used by ``examples/train_gpt.py`` and ``examples/train_hf.py``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from typing import Callable
 
-__all__ = ["ArgumentParser", "main_guard", "positive_int", "CONFIG_ERRORS"]
+__all__ = [
+    "ArgumentParser",
+    "main_guard",
+    "positive_int",
+    "nonnegative_int",
+    "nonnegative_float",
+    "dropout_rate",
+    "mesh_shape",
+    "CONFIG_ERRORS",
+]
 
 # What a bad configuration raises before training: plan checks (ShardingError and
 # CheckpointError are ValueErrors), bad values (ValueError), missing files (FileNotFoundError);
@@ -40,7 +50,11 @@ def _no_default(value) -> bool:
 
 def positive_int(text: str) -> int:
     """An argparse ``type``: an integer > 0 (``--steps 0`` is refused at parse time, not by a
-    crash after training)."""
+    crash after training).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or <= 0 (argparse names the option).
+    """
     try:
         value = int(text)
     except ValueError:
@@ -48,6 +62,89 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0 (counts where 0 means none or off, e.g.
+    ``--warmup 0``, ``--save-every 0``).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or negative.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _finite_float(text: str, wanted: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {wanted}, got {value} (not finite)")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0 (``--lr``, ``--weight-decay``, ``--grad-clip``
+    where 0 means off): a negative learning rate or clipping norm reverses the update.
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, NaN or infinite, or negative.
+    """
+    value = _finite_float(text, "a finite number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value}")
+    return value
+
+
+def dropout_rate(text: str) -> float:
+    """An argparse ``type``: a probability in [0, 1) (``--dropout``; 1 would drop everything,
+    ``nn.Dropout`` then divides by zero).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, or outside [0, 1).
+    """
+    value = _finite_float(text, "a probability in [0, 1)")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value}")
+    return value
+
+
+def mesh_shape(text: str) -> dict[str, int]:
+    """An argparse ``type``: ``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}`` (axis order kept: outer
+    to inner).
+
+    Each axis is named once, with an identifier for a name and an integer >= 1 for a size (a
+    repeated axis used to collapse silently into one entry of the dict).
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not ``name=size``, a name that is not an
+            identifier, a size that is not an integer >= 1, or an axis given twice.
+    """
+    shape: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, size = (part.strip() for part in item.partition("="))
+        if not eq or not name or not size:
+            raise argparse.ArgumentTypeError(f"{text!r}: {item.strip()!r} is not axis=size; expected e.g. dp=2,tp=2")
+        if not name.isidentifier():
+            raise argparse.ArgumentTypeError(f"{text!r}: axis name {name!r} is not an identifier; use e.g. dp, tp, pp")
+        try:
+            value = int(size)
+        except ValueError:
+            value = None
+        if value is None or value < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: axis {name!r} has size {size!r}; every size must be an integer >= 1")
+        if name in shape:
+            raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} is given twice; name each axis once, e.g. dp=2,tp=2")
+        shape[name] = value
+    return shape
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -20,6 +20,7 @@ message.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from .errors import NotElementwiseError
 from .kernels import FusedAdamW
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise", "probe"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "check_elementwise", "probe", "requires_closure"]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
@@ -110,6 +111,20 @@ def _unwrap(optimizer_cls: Any) -> Any:
     return optimizer_cls
 
 
+def requires_closure(optimizer_cls: Any) -> bool:
+    """Whether ``optimizer_cls.step`` has a ``closure`` parameter without a default (LBFGS: its
+    line search re-evaluates the loss several times per step). ``functools.partial`` is looked
+    through; a factory that is not a class has no ``step`` to read and is taken as not needing one."""
+    step = getattr(_unwrap(optimizer_cls), "step", None)
+    if step is None:
+        return False
+    try:
+        param = inspect.signature(step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
 def check_elementwise(optimizer_cls: Any, optimizer_kwargs: dict) -> None:
     """Refuse an optimizer whose update of a ZeRO shard may not be the shard of its update.
 
@@ -125,19 +140,30 @@ def check_elementwise(optimizer_cls: Any, optimizer_kwargs: dict) -> None:
         optimizer_kwargs: its hyperparameters (the probe uses them).
 
     Raises:
-        NotElementwiseError: ``optimizer_cls`` is neither one of :data:`ELEMENTWISE_OPTIMIZERS`
+        NotElementwiseError: ``optimizer_cls.step()`` requires a closure (LBFGS; refused even when
+            declared elementwise: :meth:`ZeroOptimizer.step` runs a closure once itself and then
+            steps the inner optimizer without one, so such an optimizer would fail at its first
+            step); or ``optimizer_cls`` is neither one of :data:`ELEMENTWISE_OPTIMIZERS`
             (exact classes, also inside a ``functools.partial``) nor declares
             ``shardlib_elementwise = True`` in its own class body (or as a function attribute).
             No communication: every rank decides alike.
     """
     inner = _unwrap(optimizer_cls)
+    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:-1])
+    if requires_closure(optimizer_cls):
+        name = _name(inner)
+        raise NotElementwiseError(
+            f"ZeroOptimizer(smodel, {name}): {name}.step() requires a closure (it re-evaluates the loss during its "
+            f"step, as LBFGS's line search does, over the whole parameter vector), but ZeroOptimizer runs the optimizer "
+            f"on flat ZeRO shards and steps it without a closure (step(closure) evaluates the closure once, then "
+            f"updates), so it would fail at the first step. Fix: use an elementwise optimizer (torch.optim.{known})"
+        )
     if any(inner is c for c in ELEMENTWISE_OPTIMIZERS):
         return
     if vars(inner).get("shardlib_elementwise") is True if hasattr(inner, "__dict__") else False:
         return  # the author's word for it (not inherited: a subclass may change the update)
     why = probe(optimizer_cls, dict(optimizer_kwargs))
     name = _name(inner)
-    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS[:-1])
     short = getattr(inner, "__name__", name)
     vouch = "" if name.startswith("torch.") else (
         f", or, if {short}'s update is elementwise at every size and step, declare it with "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable
 
 import torch
@@ -16,6 +17,39 @@ from .shard import ShardedModule
 __all__ = ["ZeroOptimizer", "clip_grad_norm_", "GradScaler"]
 
 
+def _real(value: Any) -> bool:
+    """A real number (int, float, NumPy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_max_norm(where: str, name: str, value: Any, zero_ok: bool) -> float:
+    """``value`` as a float: a number > 0 (``>= 0`` with ``zero_ok``), infinity allowed (measure
+    the norm, never clip), NaN and negatives refused: a negative bound flips the sign of every
+    gradient (``coef = max_norm / norm < 0``), so the optimizer climbs the loss."""
+    off = "" if zero_ok else "; None turns clipping off"
+    if not _real(value):
+        raise TypeError(f"{where}: {name} must be a number (the largest global gradient norm allowed){off}, got "
+                        f"{value!r} of type {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        why = "NaN would make every gradient NaN"
+    elif value < 0:
+        why = "a negative bound reverses every gradient, so the update climbs the loss"
+    elif value == 0 and not zero_ok:
+        why = "0 would scale every gradient to zero, so nothing trains"
+    else:
+        return value
+    raise ValueError(f"{where}: {name}={value!r} is not a valid clipping norm: {why}. Fix: a positive number such as "
+                     f"{name}=1.0{off}")
+
+
+def _check_norm_type(value: Any) -> float:
+    if not _real(value) or math.isnan(float(value)) or float(value) <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be a number > 0 (the p of the p-norm; float('inf') for the "
+                         f"max norm), got {value!r}")
+    return float(value)
+
+
 def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm, counting every unique element once.
 
@@ -26,19 +60,30 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
 
     Args:
         smodel: a module from :func:`shardlib.shard` (a plain module falls back to torch's).
-        max_norm: the largest norm allowed.
-        norm_type: the p of the p-norm; ``float('inf')`` for the max norm.
+        max_norm: the largest norm allowed, a number >= 0. As in torch, ``0`` zeroes the
+            gradients and ``float('inf')`` measures the norm without clipping.
+        norm_type: the p of the p-norm, > 0; ``float('inf')`` for the max norm.
 
     Returns:
         The total norm before clipping, a 0-dim float32 tensor.
 
     Raises:
+        TypeError: ``max_norm`` is not a number.
+        ValueError: ``max_norm`` is negative or NaN (a negative bound reverses the update), or
+            ``norm_type`` is not a number > 0.
         RuntimeError: called after a backward inside ``no_sync()`` (gradients not yet reduced).
+        All on every rank, before any communication.
     """
+    max_norm = _check_max_norm("clip_grad_norm_", "max_norm", max_norm, zero_ok=True)
+    norm_type = _check_norm_type(norm_type)
     if not isinstance(smodel, ShardedModule):
         return torch.nn.utils.clip_grad_norm_(smodel.parameters(), max_norm, norm_type)
     zero = smodel._zero
-    norm_type = float(norm_type)
+    if zero.unsynced:
+        raise RuntimeError(
+            "clip_grad_norm_() after a backward inside no_sync(): gradients are not reduced yet, so their norm is "
+            "not the global one. Run the last micro-batch's backward outside no_sync(), then clip"
+        )
     tp_axes = tuple(sorted({layer.axis for layer in smodel.plan.tp_layers}))
     pp_axes = (smodel.pp_axis,) if getattr(smodel, "pp_axis", None) else ()
     duplicates = getattr(smodel, "norm_duplicates", [])
@@ -92,8 +137,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer_cls: an elementwise ``torch.optim.Optimizer`` class (above), e.g.
             ``torch.optim.AdamW``.
         max_grad_norm: if given, ``step()`` clips to this global norm first (the norm is in
-            ``last_grad_norm``).
-        offload: ZeRO-Offload (arXiv 2101.06840): the optimizer works on host copies of the
+            ``last_grad_norm``): a number > 0; ``float('inf')`` measures the norm without
+            clipping; ``None`` (the default) neither clips nor measures. ``0``, negatives and NaN
+            are refused (0 would zero every update, a negative bound reverse it); the example
+            scripts' ``--grad-clip 0`` means off and passes ``None``.
+        offload: ``None``, True or False. ZeRO-Offload (arXiv 2101.06840): the optimizer works on host copies of the
             shards (:class:`shardlib.parallel.offload.OptimizerOffload`), so its state lives in
             host memory and the update runs on the CPU; ``step()`` copies gradients down and the
             updated shards back. Default: the plan's ``optimizer_offload`` option. Results equal
@@ -117,12 +165,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     :mod:`shardlib.checkpoint`).
 
     Raises:
-        TypeError: ``smodel`` is not a sharded module.
+        TypeError: ``smodel`` is not a sharded module; ``max_grad_norm`` is not a number or
+            None; ``offload`` is not a bool or None.
+        ValueError: ``max_grad_norm`` is 0, negative or NaN; no trainable parameters on this rank.
         shardlib.errors.NotElementwiseError: (a ``ShardingError`` and a ``TypeError``)
             ``optimizer_cls`` is not shown elementwise (Adafactor, LBFGS, SparseAdam, Muon, a
-            per-tensor-norm optimizer of your own): on every rank, before the first step; the
-            message names the class, what the probe found and the optimizers that work.
-        ValueError: no trainable parameters on this rank.
+            per-tensor-norm optimizer of your own), or its ``step()`` requires a closure (LBFGS):
+            on every rank, before the first step; the message names the class, what the probe
+            found and the optimizers that work.
+        All before any communication.
 
     Example:
         >>> import shardlib
@@ -136,6 +187,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload: bool | None = None, **optimizer_kwargs: Any):
         if not isinstance(smodel, ShardedModule):
             raise TypeError(f"ZeroOptimizer takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
+        if max_grad_norm is not None:
+            max_grad_norm = _check_max_norm("ZeroOptimizer", "max_grad_norm", max_grad_norm, zero_ok=False)
+        if offload is not None and not isinstance(offload, bool):
+            raise TypeError(f"ZeroOptimizer: offload must be True, False or None (the plan's optimizer_offload), got "
+                            f"{offload!r} of type {type(offload).__name__}")
         check_elementwise(optimizer_cls, optimizer_kwargs)  # every rank alike, before anything moves
         self.smodel = smodel
         self._zero = smodel._zero

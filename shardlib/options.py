@@ -7,6 +7,8 @@ at the model (the options are documented on :func:`shardlib.plan`).
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 
 from .errors import ShardingError
 
-__all__ = ["DATA_AXIS_NAMES", "OPTIONS", "Options", "check_options"]
+__all__ = ["DATA_AXIS_NAMES", "OPTIONS", "Options", "check_options", "check_model_and_mesh", "check_fused_patterns"]
 
 DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
 DATA_AXIS_NAMES = ("dp", "fsdp")  # the default data axes (the batch is split along them)
@@ -55,9 +57,37 @@ def _check_dtype(option: str, value: Any) -> torch.dtype | None:
     )
 
 
+def _check_bool(option: str, value: Any) -> None:
+    """A flag must be a bool: ``bool("False")`` is True, so a string would turn it on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ShardingError(f"{option} must be True or False, got {value!r} of type {type(value).__name__}")
+
+
+def _check_seed(option: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not -(2**63) <= value < 2**63:
+        raise ShardingError(f"{option} must be an int (a 64-bit seed), got {value!r} of type {type(value).__name__}")
+
+
+def _check_fused(value: Any) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, Mapping) and all(
+        isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= 1
+        for k, v in value.items())
+    if not ok:
+        raise ShardingError(
+            f"fused must map module globs to a number of blocks (an int >= 1), like {{'*.c_attn': 3}}, got {value!r}"
+        )
+
+
 def _check_data_axes(value: Any, mesh_shape: dict[str, int]) -> tuple[str, ...]:
     if value is None:
         return tuple(a for a in mesh_shape if a in DATA_AXIS_NAMES)
+    if not isinstance(value, (str, list, tuple)):
+        raise ShardingError(
+            f"data_axes must be an axis name or a tuple of axis names of the mesh {mesh_shape}, got {value!r} of "
+            f"type {type(value).__name__}. Fix: e.g. data_axes=('dp',)"
+        )
     axes = (value,) if isinstance(value, str) else tuple(value)
     for a in axes:
         if a not in mesh_shape:
@@ -73,14 +103,25 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
     """Check the option names and the scalar options against ``mesh_shape`` (axis -> size).
 
     Raises:
-        ShardingError: an unknown option name; ``data_axes`` naming an axis not in the mesh, or
-            one twice; ``chunk_size`` < 1 or not an int; ``optimizer_states`` < 0 or not an int;
-            ``pp_axis`` not in the mesh; ``param_dtype``/``reduce_dtype`` not a floating-point
-            ``torch.dtype``; ``offload_ratio`` not a number in [0, 1].
+        ShardingError: an unknown option name; ``data_axes`` not an axis name or a tuple of them,
+            naming an axis not in the mesh, or one twice; ``chunk_size`` < 1 or not an int;
+            ``optimizer_states`` < 0 or not an int; ``pp_axis`` not in the mesh;
+            ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``;
+            ``offload_ratio`` not a number in [0, 1]; a flag (``sequence_parallel``,
+            ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``) that is not a bool;
+            a seed (``dropout_seed``, ``init_seed``) that is not an int; ``fused`` not a dict
+            from globs to ints >= 1.
     """
     unknown = sorted(set(options) - OPTIONS)
     if unknown:
         raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(OPTIONS)}")
+    for flag in ("sequence_parallel", "broadcast_buffers", "optimizer_offload", "strict_specs"):
+        if flag in options:
+            _check_bool(flag, options[flag])
+    for seed in ("dropout_seed", "init_seed"):
+        if seed in options:
+            _check_seed(seed, options[seed])
+    _check_fused(options.get("fused"))
     pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
     if pp_axis is not None and pp_axis not in mesh_shape:
         raise ShardingError(f"pp_axis {pp_axis!r} is not an axis of the mesh {mesh_shape}")
@@ -101,3 +142,27 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
         reduce_dtype=_check_dtype("reduce_dtype", options.get("reduce_dtype")),
         offload_ratio=offload_ratio,
     )
+
+
+def check_model_and_mesh(model: Any, mesh: Any) -> None:
+    """Raises TypeError unless ``model`` is an ``nn.Module`` and ``mesh`` a Mesh / AbstractMesh."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"plan()/shard() take the model as a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(getattr(mesh, "shape", None), dict) or not hasattr(mesh, "coords"):
+        raise TypeError(
+            f"plan()/shard() take a shardlib Mesh or AbstractMesh, got {type(mesh).__name__}"
+            + (f" {mesh!r}. Fix: init_mesh({mesh!r})" if isinstance(mesh, dict) else "")
+        )
+
+
+def check_fused_patterns(model: torch.nn.Module, fused: Any) -> None:
+    """Every ``fused`` glob must match a module: a typo would split a fused projection (GPT-2's
+    q/k/v in ``c_attn``) as one block, mixing the heads across ranks without an error."""
+    paths = [path for path, _ in model.named_modules() if path]
+    for pattern in fused or {}:
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+            sample = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+            raise ShardingError(
+                f"fused pattern {pattern!r} matches no module of {type(model).__name__} (modules: {sample}). Fix: correct "
+                "the glob over module paths (e.g. '*.attn.c_attn'), or remove it"
+            )

@@ -22,7 +22,7 @@ import torch
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
 from .lowering import lower
-from .options import DEFAULT_CHUNK_SIZE, check_options
+from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
 from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
@@ -328,9 +328,11 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         The :class:`Plan`, or a :class:`~shardlib.pipeline_plan.PipelinePlan` on a pipeline mesh.
 
     Raises:
-        ShardingError: an unknown option; a zero_stage outside 0-3; an unknown or repeated data
-            axis; a spec naming an unknown axis or longer than its tensor; a spec along a data
-            axis with zero_stage < 3; a tensor-parallel layout that
+        TypeError: ``model`` is not an ``nn.Module``, or ``mesh`` not a Mesh / AbstractMesh.
+        ShardingError: an unknown option, or one of the wrong type (see
+            :func:`shardlib.options.check_options`); a zero_stage outside 0-3; an unknown or
+            repeated data axis; a ``fused`` glob that matches no module; a spec naming an unknown
+            axis or longer than its tensor; a spec along a data axis with zero_stage < 3; a tensor-parallel layout that
             cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis of size > 1
             that nothing uses; a pattern matching no
             parameter; conflicting specs on a tied parameter; a parameter on the meta device with
@@ -345,7 +347,11 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         >>> p.param("weight").strategy, p.param_bytes
         ('zero-3', 32)
     """
+    check_model_and_mesh(model, mesh)
     if pipeline_axis(mesh, options) is not None:
+        for key in ("microbatches", "virtual_stages"):  # a bool is an int to the schedule's checks
+            if isinstance(options.get(key), bool):
+                raise ShardingError(f"{key} must be a positive int, got {options[key]!r}")
         return plan_pipeline(model, mesh, specs, options, plan_module)
     check_no_pipeline_options(mesh, options)
     return plan_module(model, mesh, specs, **options)
@@ -361,6 +367,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
     resolved = resolve_specs(model, specs, options.get("logical_axis_rules"), strict=options.get("strict_specs", True))
+    if options.get("strict_specs", True):  # a pipeline stage holds part of the model, checked whole before
+        check_fused_patterns(model, options.get("fused"))
     pp_axis = opts.pp_axis
     names_of: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}

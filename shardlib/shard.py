@@ -235,10 +235,14 @@ class PipelineModule(ShardedModule):
             ``(None, None)``. Gradients are reduced over the data axes when it returns.
 
         Raises:
+            TypeError: ``x`` not a tensor, ``criterion`` not callable (checked on every stage: only
+                the last one calls it, and the others would wait for it), ``labels`` not a
+                tuple or list of tensors.
             ShardingError: a local batch not divisible by the microbatch count, or under
                 sequence parallelism a sequence length not divisible by the tensor axis (on every
                 rank, before any communication).
         """
+        _check_step_args("forward_backward", x, criterion, labels)
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
 
     def explain(self, tokens: int | None = None) -> str:
@@ -265,13 +269,29 @@ class PipelineModule(ShardedModule):
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
         """Forwards only (no gradients, no optimizer state touched): ``(losses, outputs)`` on the
-        last stage as :meth:`forward_backward`, ``(None, None)`` elsewhere."""
+        last stage as :meth:`forward_backward`, ``(None, None)`` elsewhere; the same checks."""
+        _check_step_args("evaluate", x, criterion, labels)
         return self.runner.run(x, criterion, tuple(labels), return_outputs, backward=False)
 
     @property
     def timeline(self) -> list[tuple[str, float, float]]:
         """The last step's actions on this rank: ``(action, start s, end s)``."""
         return self.runner.timeline
+
+
+def _check_step_args(fn: str, x: Any, criterion: Any, labels: Any) -> None:
+    """The arguments of a pipeline step, alike on every stage (the runner checks what needs the
+    schedule: microbatch and sequence sizes)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be the local batch as a tensor, got {type(x).__name__}")
+    if not callable(criterion):
+        raise TypeError(
+            f"{fn}: criterion must be a function (output, *labels) -> loss, got {criterion!r}; every stage passes it "
+            "(the last one calls it). Fix: forward_backward(x, criterion=loss_fn, labels=(y,))"
+        )
+    if not isinstance(labels, (tuple, list)) or not all(isinstance(y, torch.Tensor) for y in labels):
+        raise TypeError(f"{fn}: labels must be a tuple of tensors split like x, got {type(labels).__name__}. "
+                        "Fix: labels=(y,)")
 
 
 @register_lowering(Plan)
@@ -343,8 +363,14 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     Returns:
         ``{name: tensor}`` in ``smodel.module.state_dict()`` order; each parameter has its global
         shape and is a fresh copy (collective under ZeRO-3: call on every rank).
+
+    Raises:
+        TypeError: ``smodel`` is not a sharded module, or ``rank0_only`` not a bool (before any
+            communication).
     """
     smodel = _require_sharded(smodel, "full_state_dict")
+    if not isinstance(rank0_only, bool):
+        raise TypeError(f"full_state_dict: rank0_only must be True or False, got {rank0_only!r}")
     zero = smodel._zero
     flat = {c.index: zero.full_chunk(c) for c in zero.chunks}
     full: dict[str, torch.Tensor] = {}

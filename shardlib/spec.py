@@ -260,13 +260,13 @@ def logical_to_mesh(spec: Any, rules: Mapping[str, Any] | Iterable[tuple[str, An
     used by an earlier dimension of the same spec falls back to ``None``.
 
     Raises:
-        ShardingError: a logical name with no rule.
+        ShardingError: a logical name with no rule; ``rules`` neither a mapping nor pairs.
 
     Example:
         >>> logical_to_mesh(P("vocab", "embed"), {"vocab": "tp", "embed": None})
         P('tp', None)
     """
-    table = dict(rules.items() if isinstance(rules, Mapping) else rules)
+    table = _rule_table(rules)
     spec = as_spec(spec, where)
     used: set[str] = set()
     out = []
@@ -286,9 +286,29 @@ def logical_to_mesh(spec: Any, rules: Mapping[str, Any] | Iterable[tuple[str, An
     return P(*out)
 
 
+def _rule_table(rules: Any) -> dict:
+    """Logical axis rules as a dict; a mapping or an iterable of ``(logical name, mesh axes)``
+    pairs, else a ShardingError naming what was given."""
+    if isinstance(rules, Mapping):
+        return dict(rules)
+    if isinstance(rules, Iterable) and not isinstance(rules, (str, bytes)):
+        items = list(rules)
+        if all(isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) for item in items):
+            return dict(items)
+    raise ShardingError(
+        f"logical axis rules must map logical axis names to mesh axes, got {rules!r} of type {type(rules).__name__}. "
+        "Fix: pass {'vocab': 'tp', 'embed': None} or [('vocab', 'tp'), ('embed', None)]"
+    )
+
+
 def _as_rule_list(specs: Any) -> list[tuple[str, PartitionSpec]]:
     if specs is None:
         return []
+    if not isinstance(specs, Mapping) and (not isinstance(specs, Iterable) or isinstance(specs, (str, bytes))):
+        raise ShardingError(
+            f"specs must map glob patterns (str) to PartitionSpecs, got {specs!r} of type {type(specs).__name__}. "
+            "Fix: pass {'*.weight': P('dp', None)} or [('*.weight', P('dp', None))]"
+        )
     items = specs.items() if isinstance(specs, Mapping) else specs
     rules = []
     for item in items:
@@ -325,7 +345,8 @@ def resolve_specs(
         ``source`` is ``"annotation"``, ``"pattern '<glob>'"`` or ``"default"``.
 
     Raises:
-        ShardingError: a pattern that matches no parameter; a tied parameter whose names are
+        ShardingError: ``specs`` neither a mapping nor a sequence of pairs, or an item that is not
+            ``(str, spec)``; a pattern that matches no parameter; a tied parameter whose names are
             matched by patterns giving different specs.
     """
     rules = _as_rule_list(specs)
@@ -386,29 +407,48 @@ def resolve_specs(
     return out
 
 
-def distribute(tensor: torch.Tensor, mesh: Any, spec: Any) -> torch.Tensor:
+def distribute(tensor: torch.Tensor, mesh: Any, spec: Any, *, uneven: bool = False) -> torch.Tensor:
     """This rank's shard of a global tensor held whole on every rank.
 
-    For tests and examples that build the global batch on every rank from one seed.
+    For tests and examples that build the global batch on every rank from one seed. By default
+    every dimension the spec splits must divide evenly: a batch split 2/1 over ``dp=2`` would
+    give the ranks unequal local batches, and the gradient averaged over the data axes (DDP's
+    mean of per-rank means) would no longer be the gradient of the global mean loss.
 
     Args:
         tensor: the global tensor, e.g. a batch ``(batch, seq)``.
-        mesh: the mesh; its ``rank`` picks the shard.
+        mesh: the mesh (:class:`~shardlib.Mesh` or :class:`~shardlib.AbstractMesh`); its
+            ``rank`` picks the shard.
         spec: the layout, e.g. ``P("dp")`` (batch split over ``dp``) or ``P(("dp", "fsdp"), None)``.
+        uneven: allow a split dimension that the axes do not divide, in the torch.chunk layout
+            (blocks of ``ceil(size / N)``: trailing ranks get fewer elements, possibly none).
 
     Returns:
         A view of the local shard: for ``P("dp")`` on a ``(B, T)`` tensor and ``dp = N``, shape
-        ``(ceil(B / N), T)`` (torch.chunk layout; trailing ranks may get fewer rows).
+        ``(B / N, T)`` (with ``uneven=True``, ``ceil(B / N)`` rows or fewer).
 
     Raises:
-        ShardingError: the spec names an unknown axis or has more entries than ``tensor`` has
-            dimensions.
+        ShardingError: ``tensor`` is not a tensor or ``mesh`` not a mesh; the spec names an
+            unknown axis or has more entries than ``tensor`` has dimensions; without ``uneven``,
+            a split dimension that the number of its shards does not divide (the message names
+            the shape, the dimension, the axes and their sizes). Local checks, no communication.
 
     Example:
         >>> from shardlib.mesh import AbstractMesh
         >>> distribute(torch.arange(8), AbstractMesh({"dp": 4}, rank=1), P("dp")).tolist()
         [2, 3]
+        >>> distribute(torch.arange(6), AbstractMesh({"dp": 4}, rank=3), P("dp"), uneven=True).tolist()
+        []
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardingError(f"distribute() takes a global tensor, got {type(tensor).__name__}")
+    if not (hasattr(mesh, "shape") and hasattr(mesh, "coords")):
+        raise ShardingError(
+            f"distribute(): mesh must be a shardlib Mesh or AbstractMesh, got {type(mesh).__name__}. "
+            "Fix: pass the mesh from init_mesh() (e.g. smodel.mesh)"
+        )
+    if not isinstance(uneven, bool):
+        raise ShardingError(f"distribute(): uneven must be True or False, got {uneven!r}")
     spec = as_spec(spec, "distribute(spec)")
     if len(spec) > tensor.dim():
         raise ShardingError(
@@ -416,4 +456,16 @@ def distribute(tensor: torch.Tensor, mesh: Any, spec: Any) -> torch.Tensor:
             f"give at most {tensor.dim()} entries"
         )
     sharding = NamedSharding(mesh, spec)
+    for dim, size in enumerate(tensor.shape):
+        parts = sharding.num_shards(dim)
+        if not uneven and size % parts:
+            axes = spec.dim_axes(dim)
+            sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise ShardingError(
+                f"distribute(): {spec} splits dimension {dim} (size {size}) of the tensor of shape "
+                f"{tuple(tensor.shape)} over {axes[0] if len(axes) == 1 else axes} ({sizes}: {parts} shards), which does "
+                f"not divide {size}: the ranks would get unequal shards ({size % parts} left over), and for a batch the "
+                f"gradient averaged over the data axes is the global mean loss's only for equal local batches. Fix: a "
+                f"size divisible by {parts} (pad or trim the batch), or distribute(..., uneven=True) for the torch.chunk layout"
+            )
     return tensor[sharding.local_slices(tensor.shape, mesh.coords())]

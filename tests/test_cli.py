@@ -28,7 +28,7 @@ def _torchrun(tmp_path, *args):
     # found by a review: these crashed after training, with a traceback per rank, or misled
     (("--steps", "0"), "argument --steps: expected a positive integer, got 0"),
     (("--n-layer", "0"), "argument --n-layer: expected a positive integer, got 0"),
-    (("--mesh", "dp=2,dp=1"), "--mesh 'dp=2,dp=1': axis 'dp' is given twice"),
+    (("--mesh", "dp=2,dp=1"), "argument --mesh: 'dp=2,dp=1': axis 'dp' is given twice"),  # now at parse time
     (("--eval-only",), "--eval-only evaluates a trained model: it needs --resume CHECKPOINT"),
 ])
 def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message):

@@ -290,11 +290,13 @@ def test_plan_tied_parameter_aliases():
 
 
 def test_distribute_uneven_rows_on_abstract_mesh():
+    """Uneven only on request (uneven=True): the torch.chunk layout. Refused by default, see
+    tests/test_bad_inputs.py (distribute-3-rows-over-dp2 and others)."""
     batch = torch.arange(10).reshape(5, 2)
-    pieces = [distribute(batch, AbstractMesh({"dp": 2}, rank=r), P("dp")) for r in range(2)]
+    pieces = [distribute(batch, AbstractMesh({"dp": 2}, rank=r), P("dp"), uneven=True) for r in range(2)]
     assert [tuple(x.shape) for x in pieces] == [(3, 2), (2, 2)]
     assert torch.equal(torch.cat(pieces), batch)
-    pieces = [distribute(batch, AbstractMesh({"dp": 4}, rank=r), P("dp", None)) for r in range(4)]
+    pieces = [distribute(batch, AbstractMesh({"dp": 4}, rank=r), P("dp", None), uneven=True) for r in range(4)]
     assert [x.shape[0] for x in pieces] == [2, 2, 1, 0]  # the last rank gets an empty shard
     assert torch.equal(torch.cat(pieces), batch)
 
@@ -304,6 +306,8 @@ def test_distribute_two_dims_and_tuple_axes():
     mesh = AbstractMesh({"dp": 2, "tp": 2}, rank=2)  # dp=1, tp=0
     assert torch.equal(distribute(x, mesh, P("dp", "tp")), x[2:4, 0:3])
     # Columns over dp*tp = 4 (blocks of 2: 2, 2, 2, 0); this rank is index 1 * 2 + 0 = 2.
-    assert torch.equal(distribute(x, mesh, P(None, ("dp", "tp"))), x[:, 4:6])
-    assert torch.equal(distribute(x, AbstractMesh({"dp": 2, "tp": 2}, rank=3), P(None, ("dp", "tp"))), x[:, 6:6])
+    assert torch.equal(distribute(x, mesh, P(None, ("dp", "tp")), uneven=True), x[:, 4:6])
+    assert torch.equal(distribute(x, AbstractMesh({"dp": 2, "tp": 2}, rank=3), P(None, ("dp", "tp")), uneven=True), x[:, 6:6])
+    y = torch.arange(32).reshape(4, 8)  # even: 8 columns over dp*tp = 4, no opt-in needed
+    assert torch.equal(distribute(y, mesh, P(None, ("dp", "tp"))), y[:, 4:6])
     assert torch.equal(distribute(x, mesh, P()), x)

@@ -21,11 +21,12 @@ order, so exchanges in flight together (a prefetch) pair up.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .checks import check_dim as _check_dim, check_tensor as _check_tensor, is_int as _is_int
 from .mesh import Axis, Mesh, current_mesh
 
 __all__ = [
@@ -449,9 +450,16 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | Non
     Returns:
         A new tensor of shape ``S``; the input is not modified. Backward: the identity (scaled by
         ``1/N`` for ``"avg"``), since the cotangent of a reduced value is replicated (JAX).
+
+    Raises:
+        TypeError: ``x`` is not a tensor.
+        ValueError: an unknown ``op``.
+        ShardingError: an axis the mesh does not have, or one named twice.
+        All on every rank, before any communication.
     """
     mesh = _mesh(mesh)
-    if op not in _OPS:
+    _check_tensor("all_reduce", x)
+    if not isinstance(op, str) or op not in _OPS:
         raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
     return _AllReduce.apply(x, mesh, _names(mesh, axis), op)
 
@@ -463,6 +471,7 @@ def pvary(x: torch.Tensor, axis: Axis, *, mesh: Mesh | None = None) -> torch.Ten
     ``pvary``: marks a replicated value as used differently on each rank of ``axis``.
     """
     mesh = _mesh(mesh)
+    _check_tensor("pvary", x)
     return _PVary.apply(x, mesh, _names(mesh, axis))
 
 
@@ -470,12 +479,24 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | None =
     """Concatenate the local ``x`` of every rank along ``axis`` in dimension ``dim``.
 
     Args:
-        x: local shape ``(..., d, ...)``, equal on every rank of the group.
+        x: local shape ``(..., d, ...)``, equal on every rank of the group; at least 1-D.
+        axis: a mesh axis name or a tuple of names (``N`` ranks: the product of their sizes).
+        dim: the dimension to concatenate, ``-x.dim() <= dim < x.dim()`` (negative counts from
+            the end, as in torch).
+        mesh: defaults to :func:`~shardlib.mesh.current_mesh`.
+
     Returns:
         shape ``(..., N * d, ...)``, pieces in axis-index order. Backward: ``reduce_scatter``.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or ``dim`` not an int.
+        ShardingError: ``dim`` out of range for ``x`` (or ``x`` 0-dimensional), or an axis the
+            mesh does not have. All on every rank, before any communication.
     """
     mesh = _mesh(mesh)
-    return _AllGather.apply(x, mesh, _names(mesh, axis), dim % max(x.dim(), 1))
+    _check_tensor("all_gather", x)
+    dim = _check_dim("all_gather", "dim", dim, x)
+    return _AllGather.apply(x, mesh, _names(mesh, axis), dim)
 
 
 def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -483,21 +504,49 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | No
 
     Args:
         x: local shape ``(..., N * d, ...)``; ``N`` (the axis size) must divide that dimension.
+        axis: a mesh axis name or a tuple of names.
+        dim: the dimension to scatter, ``-x.dim() <= dim < x.dim()``.
+        mesh: defaults to :func:`~shardlib.mesh.current_mesh`.
+
     Returns:
         shape ``(..., d, ...)``. Backward: ``all_gather``.
+
     Raises:
-        ShardingError: ``N`` does not divide ``x.shape[dim]``.
+        TypeError: ``x`` is not a tensor, or ``dim`` not an int.
+        ShardingError: ``dim`` out of range for ``x``, ``N`` does not divide ``x.shape[dim]``, or
+            an axis the mesh does not have. All on every rank, before any communication.
     """
     mesh = _mesh(mesh)
-    return _ReduceScatter.apply(x, mesh, _names(mesh, axis), dim % max(x.dim(), 1))
+    _check_tensor("reduce_scatter", x)
+    dim = _check_dim("reduce_scatter", "dim", dim, x)
+    return _ReduceScatter.apply(x, mesh, _names(mesh, axis), dim)
 
 
 def all_to_all(x: torch.Tensor, axis: Axis, split_dim: int, concat_dim: int, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Split ``x`` into ``N`` pieces along ``split_dim``, send piece ``i`` to rank ``i`` of
     ``axis``, and concatenate what arrives along ``concat_dim``. Backward: the same with the two
-    dims swapped."""
+    dims swapped.
+
+    Args:
+        x: local shape with ``x.shape[split_dim]`` divisible by ``N`` (the axis size).
+        axis: a mesh axis name or a tuple of names.
+        split_dim, concat_dim: dimensions of ``x``, each in ``[-x.dim(), x.dim())``.
+        mesh: defaults to :func:`~shardlib.mesh.current_mesh`.
+
+    Returns:
+        ``x.shape[split_dim] / N`` along ``split_dim`` and ``N`` times ``x.shape[concat_dim]``
+        along ``concat_dim`` (one dimension for both: its size is kept).
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or a dim not an int.
+        ShardingError: a dim out of range, ``N`` does not divide ``x.shape[split_dim]``, or an
+            axis the mesh does not have. All on every rank, before any communication.
+    """
     mesh = _mesh(mesh)
-    return _AllToAll.apply(x, mesh, _names(mesh, axis), split_dim % x.dim(), concat_dim % x.dim())
+    _check_tensor("all_to_all", x)
+    split_dim = _check_dim("all_to_all", "split_dim", split_dim, x)
+    concat_dim = _check_dim("all_to_all", "concat_dim", concat_dim, x)
+    return _AllToAll.apply(x, mesh, _names(mesh, axis), split_dim, concat_dim)
 
 
 def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]], *, mesh: Mesh | None = None) -> torch.Tensor:
@@ -505,9 +554,29 @@ def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]], *, me
 
     A rank that receives nothing gets zeros (``jax.lax.ppermute``). Backward: the inverse
     permutation. Each rank sends at most once and receives at most once.
+
+    Args:
+        x: local tensor, the same shape and dtype on every rank of the group.
+        axis: a mesh axis name or a tuple of names (``N`` ranks).
+        perm: ``(src, dst)`` pairs of axis indices (ints in ``[0, N)``).
+        mesh: defaults to :func:`~shardlib.mesh.current_mesh`.
+
+    Returns:
+        A tensor shaped like ``x``: what this rank received, or zeros.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or ``perm`` is not a sequence of ``(src, dst)`` int pairs.
+        ShardingError: ``perm`` is not a partial permutation of ``0..N-1``, or an axis the mesh
+            does not have. All on every rank, before any communication.
     """
     mesh = _mesh(mesh)
-    perm = [(int(s), int(d)) for s, d in perm]
+    _check_tensor("ppermute", x)
+    pairs = list(perm) if isinstance(perm, Iterable) and not isinstance(perm, (str, torch.Tensor)) else None
+    if pairs is None or not all(
+        isinstance(pair, (tuple, list)) and len(pair) == 2 and all(_is_int(i) for i in pair) for pair in pairs
+    ):
+        raise TypeError(f"ppermute: perm must be a sequence of (src, dst) pairs of int axis indices, got {perm!r}")
+    perm = [(int(s), int(d)) for s, d in pairs]
     n = mesh.size(axis)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts) or not all(0 <= i < n for i in srcs + dsts):
