@@ -94,8 +94,11 @@ class WorkerGroup:
     """
 
     def __init__(self, nprocs: int, timeout: float = 120.0):
-        if nprocs < 1:
-            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"nprocs must be an int >= 1 (the number of worker processes, one per rank), got {nprocs!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout != timeout:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r} (the collective timeout "
+                             "inside the workers, SHARDLIB_TIMEOUT)")
         if getattr(mp.process.current_process(), "_inheriting", False):  # a spawned child importing __main__
             sys.stderr.write(f"shardlib: {_UNGUARDED}\n")
             raise SystemExit(_UNGUARDED_EXIT)  # the parent reads the code and names the cause
@@ -283,6 +286,8 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 600.0) -> lis
     Raises:
         WorkerError: a rank raised; every rank is stopped, and the error names the rank and
             carries its message and traceback.
+        TypeError: ``fn`` is not callable. ValueError: ``nprocs`` is not an int >= 1, or
+            ``timeout`` not a positive number; both before any process starts.
 
     Example:
         >>> def work():
@@ -292,5 +297,7 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout: float = 600.0) -> lis
         >>> launch(work, 2)
         [2.0, 2.0]
     """
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be callable (the function each rank runs), got {type(fn).__name__} {fn!r}")
     with WorkerGroup(nprocs, timeout=timeout) as group:
         return group.run(fn, *args)

@@ -34,6 +34,17 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("SHARDLIB_TIMEOUT", "600")))
 
 
+def _timeout(timeout, where: str) -> datetime.timedelta:
+    """``timeout`` seconds (None: :func:`default_timeout`), checked: a positive number."""
+    if timeout is None:
+        return default_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: timeout must be a number of seconds, got {timeout!r} ({type(timeout).__name__})")
+    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
+        raise ShardingError(f"{where}: timeout must be a positive, finite number of seconds, got {timeout!r}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
 def _check_shape(shape: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(shape, Mapping) or not shape:
         raise ShardingError(
@@ -74,6 +85,9 @@ class AbstractMesh:
     def __init__(self, shape: Mapping[str, int], rank: int = 0):
         self._shape = _check_shape(shape)
         self._grid = np.arange(int(np.prod(list(self._shape.values())))).reshape(tuple(self._shape.values()))
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+            raise TypeError(f"AbstractMesh: rank {rank!r} is not an int; the mesh {self._shape} has ranks 0.."
+                            f"{self._grid.size - 1}")
         if not 0 <= rank < self._grid.size:
             raise ShardingError(f"rank {rank} is outside the mesh {self._shape} of {self._grid.size} ranks")
         self.rank = int(rank)
@@ -185,7 +199,7 @@ class Mesh(AbstractMesh):
                 f"(torchrun --nproc-per-node {product})"
             )
         super().__init__(shape, dist.get_rank() if dist.is_initialized() else 0)
-        self.timeout = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
+        self.timeout = _timeout(timeout, "Mesh")
         self.comm = CommCounter()
         self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
         from .watchdog import process_watchdog
@@ -259,8 +273,9 @@ def init_mesh(shape: Mapping[str, int], timeout: float | None = None) -> Mesh:
         The mesh; it also becomes the default mesh for collectives called without ``mesh=``.
 
     Raises:
-        ShardingError: bad shape (empty, size < 1, bad name) or a product != world size; raised
-            on every rank, before any communication.
+        ShardingError: bad shape (empty, size < 1, bad name), a product != world size, or a
+            timeout that is not positive; raised on every rank, before any communication.
+        TypeError: a timeout that is not a number.
 
     Example:
         >>> mesh = init_mesh({"dp": 1})
@@ -272,7 +287,7 @@ def init_mesh(shape: Mapping[str, int], timeout: float | None = None) -> Mesh:
 
     shape = _check_shape(shape)
     product = int(np.prod(list(shape.values())))
-    tmo = datetime.timedelta(seconds=timeout) if timeout is not None else default_timeout()
+    tmo = _timeout(timeout, "init_mesh")
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             world = int(os.environ["WORLD_SIZE"])

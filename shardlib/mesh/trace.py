@@ -198,8 +198,9 @@ class Trace:
     def record(self, kind: str, label: str, shape, dtype, note: str = "") -> dict:
         """Append one collective; returns its record (a dict of the fields of :func:`format_record`)."""
         site, caller = self._call_sites()
-        gseq = self._gseq.get(label, 0)
-        self._gseq[label] = gseq + 1
+        key = label if kind not in ("send", "recv") else label + ">p2p"  # collectives pair by their count on the group
+        gseq = self._gseq.get(key, 0)
+        self._gseq[key] = gseq + 1
         names = self._names.get((shape, dtype))
         if names is None:
             names = self._names[(shape, dtype)] = (str(tuple(shape)), str(dtype).replace("torch.", ""))
