@@ -39,14 +39,14 @@ class ShardedModule(nn.Module):
     parameters' own ``.grad`` is not the reduced gradient (see :func:`full_grads`).
     """
 
-    def __init__(self, module: nn.Module, plan: Plan):
+    def __init__(self, module: nn.Module, plan: Plan, model_name: str | None = None):
         super().__init__()
         self.module = module
         self.plan = plan
         self.mesh = plan.mesh
         # Fixed lowering order: dropout first (the sequence-parallel entry hooks onto the new
         # module), then tensor parallelism (swaps modules), then ZeRO (packs the local params).
-        self._model_name = type(module).__name__  # before the root itself may become a parallel layer
+        self._model_name = model_name or type(module).__name__  # before the root may become a parallel layer
         self._dropouts = mesh_independent_dropout(module, seed=plan.dropout_seed)
         module, self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
         self.module = module  # a new object only when the root itself is a parallel layer
@@ -62,7 +62,7 @@ class ShardedModule(nn.Module):
 
             materialize_meta(module, default_device(), plan.mesh)
             lazy = LazyInit(plan)
-        self._zero = ZeroRuntime(module, plan, plan.mesh, lazy)
+        self._zero = ZeroRuntime(module, plan, plan.mesh, lazy, model_name=self._model_name)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
         off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
         self._own_offload = ActivationOffload(off) if off is not None else None
@@ -188,7 +188,7 @@ class PipelineModule(ShardedModule):
         from .parallel.pipeline import PipelineRunner
 
         rank = pplan.mesh.index(pplan.pp_axis)
-        super().__init__(stage, pplan.stages[rank])
+        super().__init__(stage, pplan.stages[rank], model_name=pplan.model_name or None)
         self.pipeline_plan = pplan
         self.pp_axis = pplan.pp_axis
         whole = pplan.whole
