@@ -65,7 +65,8 @@ def mark_sharded_away(prm: nn.Parameter, message: str) -> None:
     prm.__dict__[_NOTE] = message
 
 
-def _refuse(cls, func, types, args=(), kwargs=None):
+def _refuse(cls, func, kinds, args=(), kwargs=None):
+    """``__torch_function__`` of a sharded-away parameter: metadata passes, anything else raises."""
     kwargs = kwargs or {}
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
