@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ShardingError",
     "NotElementwiseError",
+    "ShardedAwayError",
     "WorkerError",
     "CollectiveError",
     "CollectiveMismatchError",
@@ -30,6 +31,19 @@ class NotElementwiseError(ShardingError, TypeError):
     a tensor is not that part of its update of the whole tensor (it reads a whole-tensor
     statistic: a norm, rows and columns, the shape). Raised in ``ZeroOptimizer(...)`` on every
     rank, before the first step; also a ``TypeError`` (the wrong kind of optimizer class)."""
+
+
+class ShardedAwayError(RuntimeError):
+    """A parameter whose storage ZeRO-3 freed was read or written outside the sharded module.
+
+    Under ZeRO-3 (arXiv 1910.02054) a chunk's full buffer exists only while the forward or
+    backward of the module :func:`shardlib.shard` returned uses it; in between, each rank keeps
+    its shard and the original module's parameters keep only their metadata (shape, dtype,
+    device, ``requires_grad``, ``grad``). Any torch operation on one of them (reading, printing,
+    ``detach()``, ``state_dict()``, ``copy_``, ``torch.save``) raises this error, naming the
+    parameter, instead of reading freed memory. Not a plan-time error: it is raised where the
+    tensor is touched, on the rank that touched it.
+    """
 
 
 class WorkerError(RuntimeError):

@@ -21,7 +21,7 @@ import torch
 
 from .errors import ShardingError
 from .lazy import missing_rule_error, resolve_init_rules
-from .lowering import lower
+from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
@@ -339,7 +339,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             no init rule (or a model only partly on meta); an ``offload_ratio`` outside [0, 1];
             a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
             pipeline option without a pipeline axis; the pipeline checks of
-            :func:`~shardlib.pipeline_plan.plan_pipeline`.
+            :func:`~shardlib.pipeline_plan.plan_pipeline`; a model that is, or contains, a module
+            :func:`~shardlib.shard` was given or returned (a module is sharded once).
 
     Example:
         >>> from shardlib.mesh import AbstractMesh
@@ -348,6 +349,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         ('zero-3', 32)
     """
     check_model_and_mesh(model, mesh)
+    refuse_lowered(model, "plan")  # a sharded model's tensors are local shards: its plan would be wrong
     if pipeline_axis(mesh, options) is not None:
         for key in ("microbatches", "virtual_stages"):  # a bool is an int to the schedule's checks
             if isinstance(options.get(key), bool):

@@ -15,7 +15,7 @@ from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
-from .lowering import register_lowering
+from .lowering import refuse_lowered, register_lowering
 from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
 from .state_names import StateName, model_state_names, persistent_buffers
@@ -39,14 +39,14 @@ class ShardedModule(nn.Module):
     parameters' own ``.grad`` is not the reduced gradient (see :func:`full_grads`).
     """
 
-    def __init__(self, module: nn.Module, plan: Plan):
+    def __init__(self, module: nn.Module, plan: Plan, model_name: str | None = None):
         super().__init__()
         self.module = module
         self.plan = plan
         self.mesh = plan.mesh
         # Fixed lowering order: dropout first (the sequence-parallel entry hooks onto the new
         # module), then tensor parallelism (swaps modules), then ZeRO (packs the local params).
-        self._model_name = type(module).__name__  # before the root itself may become a parallel layer
+        self._model_name = model_name or type(module).__name__  # before the root may become a parallel layer
         self._dropouts = mesh_independent_dropout(module, seed=plan.dropout_seed)
         module, self._tp_hooks = lower_tensor_parallel(module, plan, plan.mesh)
         self.module = module  # a new object only when the root itself is a parallel layer
@@ -62,7 +62,7 @@ class ShardedModule(nn.Module):
 
             materialize_meta(module, default_device(), plan.mesh)
             lazy = LazyInit(plan)
-        self._zero = ZeroRuntime(module, plan, plan.mesh, lazy)
+        self._zero = ZeroRuntime(module, plan, plan.mesh, lazy, model_name=self._model_name)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
         off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
         self._own_offload = ActivationOffload(off) if off is not None else None
@@ -188,7 +188,7 @@ class PipelineModule(ShardedModule):
         from .parallel.pipeline import PipelineRunner
 
         rank = pplan.mesh.index(pplan.pp_axis)
-        super().__init__(stage, pplan.stages[rank])
+        super().__init__(stage, pplan.stages[rank], model_name=pplan.model_name or None)
         self.pipeline_plan = pplan
         self.pp_axis = pplan.pp_axis
         whole = pplan.whole
@@ -313,8 +313,22 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
 def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> ShardedModule:
     """Shard ``model`` over ``mesh``: ``plan(model, mesh, specs, **options).apply(model)``.
 
+    The returned module owns ``model``, as ``FSDP(model)`` does: ``model`` is changed in place
+    and becomes ``smodel.module`` (on a pipeline mesh, this rank's layers of it form the stage),
+    so use ``smodel`` from then on, and shard a model once. In ``model`` afterwards, buffers are
+    the live tensors ``smodel`` uses; parameters under ZeRO stages 0-2 are views of the ZeRO
+    chunks with the current values (the compute copies under ``param_dtype``); a layer tensor
+    parallelism replaced holds this rank's slice (a replaced root, and a pipeline's layers on
+    other pp ranks, are left as they were, unused). Under ZeRO-3 a parameter keeps its metadata
+    (shape, dtype, device, ``requires_grad``, ``grad``: counting parameters works) but outside
+    the forward and backward of ``smodel`` only this rank's shard of it exists: any other use
+    (reading or printing it, ``detach()``, ``model.state_dict()``, ``copy_``, ``torch.save``)
+    raises :class:`~shardlib.errors.ShardedAwayError` naming it. Read full values with
+    :func:`full_state_dict` (on every rank); set them with ``smodel.load_state_dict``.
+
     Args:
-        model: the module; modified in place (its parameters move into flat ZeRO chunks).
+        model: the module; modified in place and owned by the module returned (its parameters
+            move into flat ZeRO chunks).
         mesh: a :class:`~shardlib.Mesh` from :func:`~shardlib.init_mesh`.
         specs: glob pattern -> PartitionSpec rules, see :func:`~shardlib.plan`.
         **options: ``zero_stage``, ``data_axes``, ``chunk_size``, ... and, on a mesh with a
@@ -326,8 +340,9 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         :class:`PipelineModule` (this rank's stage, run by ``forward_backward``).
 
     Raises:
-        ShardingError: every check of :func:`~shardlib.plan`, on every rank, before any
-            communication.
+        ShardingError: ``model`` is a module ``shard()`` returned, was given to ``shard()``
+            before, or contains such a module (build a fresh model, or use the sharded one);
+            every check of :func:`~shardlib.plan`. On every rank, before any communication.
 
     Example:
         >>> import shardlib
@@ -336,6 +351,7 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         >>> smodel(torch.ones(3, 4)).shape
         torch.Size([3, 2])
     """
+    refuse_lowered(model)  # before planning: a sharded model's parameter names and tensors are not the model's
     return plan(model, mesh, specs, **options).apply(model)
 
 

@@ -11,14 +11,98 @@ just before a buffer is reduced or read (:meth:`Chunk.settle_full`, :meth:`Chunk
 only the regions no gradient reached (unused parameters, padding) are zeroed. This saves a
 memset of every buffer per step and turns the first accumulation's read-add-write into a copy,
 as torch's ``AccumulateGrad`` steals the first gradient of a parameter whose ``.grad`` is None.
+
+Freed storage (ZeRO-3). :meth:`Chunk.free_storage` releases the full buffer
+(``untyped_storage().resize_(0)``, FSDP's way); the parameters that view it keep their shape but
+not their memory, so reading one would read freed memory (a segfault). While the buffer is
+freed, each of them therefore carries a subclass of its own class (``ShardedAwayParameter``,
+swapped in through ``__class__``: the tensor, its hooks, ``id`` and autograd node stay the same)
+whose ``__torch_function__`` lets metadata through (shape, dtype, device, ``requires_grad``,
+``grad``: see ``_METADATA``) and raises :class:`~shardlib.errors.ShardedAwayError` for every
+other torch function or method, naming the parameter. :meth:`Chunk.restore_storage` swaps the
+original class back before the buffer is gathered. The cost is one ``__class__`` assignment per
+parameter per free and per gather (4 per step), none in the ops: a gathered parameter has its own
+class, so the forward and backward pay no ``__torch_function__`` dispatch. Measured (2-core CPU,
+dp=2, a 4-layer GPT of 68 parameters): 60-70 ns a swap, 272 a step, 17 us against a 73 ms step;
+the median step of 40 alternated with and without swaps differed by less than the noise
+(73.0 vs 74.1 ms on rank 0, 72.9 vs 72.8 ms on rank 1).
 """
 
 from __future__ import annotations
 
+import types
+
+import optree
 import torch
 from torch import nn
 
-__all__ = ["Chunk"]
+from ..errors import ShardedAwayError
+
+__all__ = ["Chunk", "mark_sharded_away"]
+
+_T = torch.Tensor
+# Torch functions that read a tensor's metadata, never its elements: allowed on a parameter whose
+# storage is freed (optimizers, ``zero_grad``, ``named_parameters`` and parameter counts use them).
+_METADATA = frozenset(
+    [getattr(_T, name).__get__ for name in (
+        "shape", "dtype", "device", "layout", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim", "is_cuda",
+        "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes", "_version",
+        "output_nr", "retains_grad", "_post_accumulate_grad_hooks", "_backward_hooks")]
+    + [_T.requires_grad.__set__, _T.grad.__set__, _T.grad.__delete__]
+    + [getattr(_T, name) for name in (
+        "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
+        "is_contiguous", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+        "__hash__", "__len__", "__dir__")]
+)
+_NOTE = "_shardlib_sharded_away"  # a parameter's message while its storage is freed (set at set-up)
+_AWAY: dict[type, type] = {}  # original parameter class -> its sharded-away subclass
+_ORIGINAL: dict[type, type] = {}  # and back
+
+
+def mark_sharded_away(prm: nn.Parameter, message: str) -> None:
+    """Set the message :class:`~shardlib.errors.ShardedAwayError` gives when ``prm`` is touched
+    while its chunk's storage is freed (before ``(tried Tensor.<function>)``)."""
+    prm.__dict__[_NOTE] = message
+
+
+def _refuse(cls, func, kinds, args=(), kwargs=None):
+    """``__torch_function__`` of a sharded-away parameter: metadata passes, anything else raises."""
+    kwargs = kwargs or {}
+    if func in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    away = next((t for t in optree.tree_leaves((args, kwargs)) if type(t) in _ORIGINAL), None)
+    message = getattr(away, "__dict__", {}).get(_NOTE, "a parameter was sharded away by shardlib.shard (ZeRO-3)")
+    raise ShardedAwayError(f"{message} (tried {_function_name(func)})")
+
+
+def _function_name(func) -> str:
+    """``Tensor.sum``, ``Tensor.data``, ``torch.add``: what the user called, for the message."""
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, types.GetSetDescriptorType):  # a property's __get__ / __set__
+        return f"Tensor.{owner.__name__}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    head, _, tail = name.rpartition(".")
+    if head in ("Tensor", "TensorBase", "_TensorBase"):
+        return f"Tensor.{tail}"
+    return f"torch.{tail}" if head in ("", "_VariableFunctionsClass") else name
+
+
+def _away_class(cls: type) -> type | None:
+    """The sharded-away subclass of parameter class ``cls`` (one per class, made on first use);
+    None for a class that cannot be subclassed (its parameters stay plain views of the chunk)."""
+    if cls not in _AWAY:
+        doc = (f"A {cls.__name__} whose storage ZeRO-3 freed: metadata only; any other torch function raises "
+               "ShardedAwayError (see shardlib.parallel.chunk).")
+        try:  # no slots added, so ``__class__`` can be assigned between the two; the metaclass is cls's
+            sub = type(cls)(f"ShardedAway{cls.__name__}", (cls,), {
+                "__slots__": (), "__module__": __name__, "__doc__": doc, "__torch_function__": classmethod(_refuse)})
+        except TypeError:
+            sub = None
+        _AWAY[cls] = sub
+        if sub is not None:
+            _ORIGINAL[sub] = cls
+    return _AWAY[cls]
 
 
 class Chunk:
@@ -96,6 +180,24 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         return self.full.numel() * self.full.element_size()
+
+    def free_storage(self) -> None:
+        """Release the full buffer's memory (ZeRO-3 between uses); until :meth:`restore_storage`
+        its parameters raise :class:`~shardlib.errors.ShardedAwayError` on any use but metadata."""
+        self.full.untyped_storage().resize_(0)
+        for prm, _ in self.params:
+            away = None if type(prm) in _ORIGINAL else _away_class(type(prm))
+            if away is not None:
+                prm.__class__ = away
+
+    def restore_storage(self) -> None:
+        """Allocate the full buffer again (uninitialised, to be gathered into) and give its
+        parameters back their own class."""
+        self.full.untyped_storage().resize_(self.nbytes)
+        for prm, _ in self.params:
+            original = _ORIGINAL.get(type(prm))
+            if original is not None:
+                prm.__class__ = original
 
     def new_grad_full(self) -> torch.Tensor:
         """An unreduced-gradient buffer for the whole chunk in the reduction dtype, uninitialised

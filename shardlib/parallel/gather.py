@@ -3,8 +3,10 @@
 FSDP's scheme (Zhao et al., "PyTorch FSDP", arXiv 2304.11277) over shardlib's flat chunks: a
 module's forward pre-hook gathers the chunks holding its parameters (and prefetches the next
 one); its forward hook frees a chunk once the last module using it in this forward is done
-(``untyped_storage().resize_(0)``), except chunks with ``reshard_after_forward`` False (a tied
-embedding), which stay gathered until the end of backward. In backward a chunk is gathered on
+(:meth:`~shardlib.parallel.chunk.Chunk.free_storage`: ``untyped_storage().resize_(0)``, and its
+parameters refuse any use but metadata until it is gathered again), except chunks with
+``reshard_after_forward`` False (a tied embedding), which stay gathered until the end of
+backward. In backward a chunk is gathered on
 the first saved tensor that needs it (``saved_tensors_hooks``: tensors that are views of a
 chunk are saved as (chunk, strides) and rebuilt from the re-gathered storage) or its first
 gradient, together with every chunk above it not yet gathered: gathers go in descending chunk
@@ -33,7 +35,7 @@ class ParameterGathering:
 
     def _setup_stage3(self) -> None:
         for chunk in self.chunks:
-            chunk.full.untyped_storage().resize_(0)
+            chunk.free_storage()
             chunk.gathered = False
         self._bwd_next = len(self.chunks) - 1
         self._fwd_next = 0
@@ -53,7 +55,7 @@ class ParameterGathering:
     def _gather(self, chunk: Chunk) -> None:
         if chunk.gathered:
             return
-        chunk.full.untyped_storage().resize_(chunk.nbytes)
+        chunk.restore_storage()
         src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
         chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True)
         chunk.gathered = True
@@ -69,7 +71,7 @@ class ParameterGathering:
             return
         self._wait(chunk)
         self._storage_ptr.pop(chunk.full.untyped_storage().data_ptr(), None)
-        chunk.full.untyped_storage().resize_(0)
+        chunk.free_storage()
         chunk.gathered = False
 
     def root_pre_forward(self) -> None:

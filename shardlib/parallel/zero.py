@@ -29,7 +29,8 @@ a chunk is reduced once all its trainable parameters have their gradient, in a f
 (descending chunk index) so every rank issues the same collectives in the same order, as DDP's
 buckets do. Stage 3 frees a chunk's storage (``untyped_storage().resize_(0)``, FSDP's way) after
 the forward of the last module using it and gathers it again in backward, prefetching the next
-chunk in each direction (:mod:`shardlib.parallel.gather`).
+chunk in each direction (:mod:`shardlib.parallel.gather`); while it is freed, its parameters raise
+:class:`~shardlib.errors.ShardedAwayError` on any use but metadata (:mod:`shardlib.parallel.chunk`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
-from .chunk import Chunk
+from .chunk import Chunk, mark_sharded_away
 from .gather import ParameterGathering
 
 __all__ = ["ZeroRuntime"]
@@ -58,9 +59,11 @@ class ZeroRuntime(ParameterGathering):
         mesh: the :class:`~shardlib.Mesh` the data axes belong to.
         lazy: for a model built on ``meta``, a :class:`shardlib.lazy.LazyInit` that fills each
             chunk's locally stored elements (no broadcast; stage 3 never allocates a full chunk).
+        model_name: the class name of the model given to :func:`shardlib.shard`, for the message
+            of a parameter touched while its chunk is freed (stage 3).
     """
 
-    def __init__(self, model: nn.Module, plan, mesh, lazy=None):
+    def __init__(self, model: nn.Module, plan, mesh, lazy=None, model_name: str | None = None):
         self.model, self.plan, self.mesh = model, plan, mesh
         self.stage = plan.effective_stage
         self.axes = plan.data_axes
@@ -114,9 +117,22 @@ class ZeroRuntime(ParameterGathering):
                 for prm, _ in chunk.params:
                     self._hooks.append(prm.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.stage == 3:
+            self._mark_sharded_away(by_name, model_name or type(model).__name__)
             self._setup_stage3()
 
     # -- set-up helpers ------------------------------------------------------------------------
+    def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
+        """Give every parameter the message it raises with while its chunk is freed."""
+        over = ", ".join(f"{a}={self.mesh.size(a)}" for a in self.axes)
+        for pp in self.plan.params:
+            tied = f" (tied to {', '.join(repr(a) for a in pp.aliases)})" if pp.aliases else ""
+            mark_sharded_away(by_name[pp.name], (
+                f"parameter '{pp.name}'{tied} of {model_name} was sharded away by shardlib.shard (ZeRO-3 over {over}): "
+                "outside the forward and backward of the module shard() returned, this rank stores only its shard "
+                "of it, so the original module's tensor has no values to read or write. Use the sharded module: "
+                "shardlib.full_state_dict(smodel) (on every rank) for full values, smodel.load_state_dict(...) or "
+                "shardlib.checkpoint.load to set them"))
+
     def broadcast_buffers(self) -> None:
         """Copy every floating buffer from the data-axis root to the other data ranks."""
         if self.n > 1:
