@@ -57,7 +57,8 @@ class ParameterGathering:
             return
         chunk.restore_storage()
         src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
-        chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True)
+        chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True,
+                                             note=f"chunk {chunk.index}")
         chunk.gathered = True
         self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
 

@@ -222,21 +222,23 @@ class ZeroRuntime(ParameterGathering):
         if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
             if self.stage == 0:
                 chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
-                                                     channel=_REDUCE)
+                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
             else:
                 chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes,
-                                                         async_op=True, op="avg", channel=_REDUCE)
+                                                         async_op=True, op="avg", channel=_REDUCE,
+                                                         note=f"chunk {chunk.index} gradients")
             return
         # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
         # it is logically zero and of the same dtype, else into a temporary added afterwards
         direct = chunk.shard_stale and chunk.grad_shard.dtype == chunk.grad_full.dtype
         if self.stage == 0:
             out = chunk.grad_full
-            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True, channel=_REDUCE)
+            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True, channel=_REDUCE,
+                                                 note=f"chunk {chunk.index} gradients")
         else:
             out = chunk.grad_shard if direct else torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
             chunk.reduce_handle = raw_reduce_scatter(out, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
-                                                     channel=_REDUCE)
+                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
         chunk.reduce_tmp = None if out is chunk.grad_shard else out
 
     def _finish_reduce(self, chunk: Chunk) -> None:
@@ -361,7 +363,8 @@ class ZeroRuntime(ParameterGathering):
                 if c.full.data_ptr() != c.shard.data_ptr():
                     c.full.copy_(c.shard)
         elif self.stage in (1, 2):
-            handles = [raw_all_gather(c.full, self._cast_into_slot(c), self.mesh, self.axes, async_op=True) for c in chunks]
+            handles = [raw_all_gather(c.full, self._cast_into_slot(c), self.mesh, self.axes, async_op=True,
+                                      note=f"chunk {c.index}") for c in chunks]
             for h in handles:
                 h.wait()
 
@@ -382,7 +385,7 @@ class ZeroRuntime(ParameterGathering):
         if self.stage != 3 and chunk.full.dtype == chunk.shard.dtype:
             return chunk.full.clone()
         out = chunk.shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.shard, self.mesh, self.axes)
+        raw_all_gather(out, chunk.shard, self.mesh, self.axes, note=f"chunk {chunk.index}")
         return out
 
     def write_full(self, chunk: Chunk, off: int, flat: torch.Tensor) -> None:
@@ -402,7 +405,7 @@ class ZeroRuntime(ParameterGathering):
         if self.stage == 0:
             return chunk.grad_shard.clone()
         out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes)
+        raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes, note=f"chunk {chunk.index} gradients")
         return out
 
     def remove(self) -> None:
