@@ -159,6 +159,13 @@ def counter_normal_(tensor: torch.Tensor, std: float, seed: int, stream: int,
         return tensor.copy_(z * std)
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (where a forward runs only to
+    recompute activations)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class MeshDropout(nn.Module):
     """Dropout whose mask depends on the global position of each element, not on the rank.
 
@@ -197,6 +204,12 @@ class MeshDropout(nn.Module):
         """Args: x local ``(batch, seq, ...)``. Returns ``x * mask / (1 - p)`` in training mode, else ``x``."""
         if not self.training or self.p == 0.0:
             return x
+        if _in_backward():  # a recompute (activation checkpointing) would draw the next call's mask
+            raise RuntimeError(
+                f"MeshDropout(p={self.p}) ran again during backward: activation recompute (torch.utils.checkpoint, "
+                "Hugging Face's gradient_checkpointing_enable()) re-runs the forward, and the recomputed mask would be "
+                "another one than the forward used, so the gradients would be wrong. Fix: set dropout to 0 when you "
+                "recompute activations (recompute-aware masks are not supported yet)")
         shape = tuple(x.shape)
         global_shape = list(shape)
         offsets = [0] * len(shape)
