@@ -46,7 +46,7 @@ class _Switch:
         c, switch = self.c, self
 
         def begin(*args, **kwargs):
-            return None
+            return None, None
 
         def wait(mesh, works, rec, p2p):
             for w in works:

@@ -453,7 +453,7 @@ def test_train_gpt_output_checks(tmp_path):
     for argv in ((), ("--ckpt-dir", str(tmp_path / "new")), ("--ckpt-dir", str(tmp_path / "empty")),
                  ("--ckpt-dir", str(folder), "--resume", str(folder)),
                  ("--ckpt-dir", str(folder), "--resume", str(folder / "step_000002")),
-                 ("--ckpt-dir", str(folder), "--overwrite-ckpt"), ("--ckpt-dir", str(folder), "--eval-only"),
+                 ("--ckpt-dir", str(folder), "--overwrite-ckpt"), ("--ckpt-dir", str(folder), "--eval-only", "--resume", str(tmp_path / "elsewhere")),
                  ("--export-safetensors", str(tmp_path / "model.safetensors"), "--overwrite-ckpt")):
         check(*argv)  # allowed: no SystemExit
     with pytest.raises(SystemExit, match=r"--ckpt-dir [^ ]*/ckpt already holds checkpoints step_000002 and other "

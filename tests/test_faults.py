@@ -61,7 +61,7 @@ def test_only_rank0_calls_a_collective():
     assert err.rank == 0 and err.exc_type == "CollectiveMismatchError"
     msg = err.message
     assert "First difference" in msg and "rank 0: all_reduce(axis 'dp', (3,) float32)" in msg
-    assert "rank 1: issued none" in msg and "its function returned" in msg
+    assert "rank 1: issued none" in msg and "its function returned" in msg, msg
     assert "test_faults.py" in msg  # the user's call site
 
 

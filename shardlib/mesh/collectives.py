@@ -58,14 +58,18 @@ class Handle:
     """An in-flight collective: ``wait()`` blocks (bounded, diagnosed: :mod:`.watchdog`) and runs
     the follow-up."""
 
-    __slots__ = ("_works", "_then", "_mesh", "_rec", "_p2p", "done")
+    __slots__ = ("_works", "_then", "_mesh", "_rec", "_p2p", "_verify", "done")
 
-    def __init__(self, works=(), then=None, mesh=None, rec=None, p2p=False):
+    def __init__(self, works=(), then=None, mesh=None, rec=None, p2p=False, verify=None):
         self._works, self._then, self._mesh, self._rec, self._p2p, self.done = works, then, mesh, rec, p2p, False
+        self._verify = verify
 
     def wait(self) -> None:
         if self.done:
             return
+        if self._verify is not None:  # the collective check of an async collective, posted before it
+            self._verify()
+            self._verify = None
         if self._works:
             wait_works(self._mesh, self._works, self._rec, self._p2p)
         if self._then is not None:
@@ -91,32 +95,51 @@ _DTYPE_IDS: dict = {}
 
 
 def _begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channel: int = 0, note: str = "",
-           extra: int = 0) -> dict:
+           extra: int = 0, async_op: bool = False):
     """Record a collective in the trace (always) and, with ``SHARDLIB_CHECK_COLLECTIVES=1``,
-    compare kind, shape and dtype across the group before it is issued."""
+    compare kind, shape and dtype across the group before it is issued.
+
+    Returns ``(record, verify)``. The check completes here, before the collective is posted
+    (so mismatched sizes raise instead of a native abort), except for an async collective on a
+    channel > 0: channels other than 0 are ordered independently of the rest (ZeRO reduces
+    gradients on channel 1 in the order they become ready, which may follow the data), so
+    blocking there could deadlock a correct program; its check is posted in order on the same
+    group and ``verify`` compares when the collective is waited on (else ``verify`` is None)."""
     trace = mesh.trace
     rec = trace.record(kind, trace.label(mesh, names, channel), t.shape, t.dtype, note)
+    verify = None
     if trace.check and kind not in ("send", "recv"):
-        _check(mesh, names, channel, kind, t, extra, rec)
-    return rec
+        verify = _check(mesh, names, channel, kind, t, extra, rec)
+        if not async_op or channel == 0:
+            verify()
+            verify = None
+    return rec, verify
 
 
-def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: int, rec: dict) -> None:
-    """Debug mode: all-gather a fingerprint (kind, dtype, shape, index on the group, ``extra``)
-    over the group and raise :class:`~shardlib.errors.CollectiveMismatchError` on every rank of
-    it if they differ. Costs one small collective per collective."""
+def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: int, rec: dict):
+    """Debug mode: post an all-gather of a fingerprint (kind, dtype, shape, index on the group,
+    ``extra``) over the group; the returned function waits for it and raises
+    :class:`~shardlib.errors.CollectiveMismatchError` on every rank of the group if they differ.
+    Costs one small collective per collective."""
     n = mesh.size(names)
     if t.dim() > 8:
-        return
+        return lambda: None
     dtype_id = _DTYPE_IDS.setdefault(str(t.dtype), len(_DTYPE_IDS) + 1)
     fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
     mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
     out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
     work = dist.all_gather_into_tensor(out, mine, group=mesh.group(names, channel), async_op=True)
-    wait_works(mesh, [work], rec, False)
-    rows = out.view(n, -1).tolist()
-    if all(r == rows[0] for r in rows):
-        return
+
+    def verify() -> None:
+        wait_works(mesh, [work], rec, False)
+        rows = out.view(n, -1).tolist()
+        if any(r != rows[0] for r in rows):
+            _mismatch(mesh, names, rows, rec)
+
+    return verify
+
+
+def _mismatch(mesh: Mesh, names, rows: list, rec: dict) -> None:
     from ..errors import CollectiveMismatchError
     from .diagnosis import ordinal
 
@@ -167,8 +190,8 @@ def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, in
     return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
 
 
-def _finish(works, then, mesh: Mesh, async_op: bool, rec=None, p2p: bool = False) -> Handle:
-    handle = Handle(works, then, mesh, rec, p2p)
+def _finish(works, then, mesh: Mesh, async_op: bool, rec=None, p2p: bool = False, verify=None) -> Handle:
+    handle = Handle(works, then, mesh, rec, p2p, verify)
     if not async_op:
         handle.wait()
     return handle
@@ -183,10 +206,10 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
         return _done()
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
-    rec = _begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op))
+    rec, verify = _begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
     work = dist.all_reduce(t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
-    return _finish([work], then, mesh, async_op, rec)
+    return _finish([work], then, mesh, async_op, rec, verify=verify)
 
 
 def _done() -> Handle:
@@ -212,7 +235,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
             slot.copy_(shard.view(-1))
         return _done()
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
-    rec = _begin(mesh, names, "all_gather", shard, 0, note)
+    rec, verify = _begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
     group = mesh.group(names)
     if mesh.backend == "gloo":
         flat, src = out.view(-1), shard.view(-1)
@@ -220,9 +243,9 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)
         works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group)
-        return _finish(works, None, mesh, async_op, rec, p2p=True)
+        return _finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
     work = dist.all_gather_into_tensor(out.view(-1), shard.view(-1), group=group, async_op=True)
-    return _finish([work], None, mesh, async_op, rec)
+    return _finish([work], None, mesh, async_op, rec, verify=verify)
 
 
 def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
@@ -243,7 +266,8 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
             shard.view(-1).copy_(slot)
         return _done()
     mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
-    rec = _begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op))
+    rec, verify = _begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op),
+                         async_op=async_op)
     group = mesh.group(names, channel)
     flat, out = full.view(-1), shard.view(-1)
     if mesh.backend == "gloo":
@@ -262,7 +286,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
             if op == "avg":
                 out.div_(n)
 
-        return _finish(works, then, mesh, async_op, rec, p2p=True)
+        return _finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
     work = dist.reduce_scatter_tensor(slot, flat, group=group, async_op=True)
 
     def then_nccl():
@@ -271,7 +295,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
         if slot.data_ptr() != out.data_ptr():
             out.copy_(slot)
 
-    return _finish([work], then_nccl, mesh, async_op, rec)
+    return _finish([work], then_nccl, mesh, async_op, rec, verify=verify)
 
 
 def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -> None:
@@ -281,7 +305,7 @@ def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -
     if n == 1:
         return
     mesh.comm.record(_key(names), "broadcast", t.numel() * t.element_size(), n)
-    rec = _begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
+    rec, _ = _begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
     src = mesh.axis_ranks(names)[src_index]
     wait_works(mesh, [dist.broadcast(t, src=src, group=mesh.group(names), async_op=True)], rec, False)
 
@@ -388,7 +412,7 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
     chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
-    rec = _begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
+    rec, _ = _begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
     wait_works(mesh, [dist.all_to_all(outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
     return torch.cat(outs, dim=concat_dim)
 
@@ -412,7 +436,7 @@ def _ppermute(x, mesh, names, perm):
     out = torch.zeros_like(x)
     ops = []
     x = x.contiguous()
-    rec = _begin(mesh, names, "ppermute", x, 0, "")
+    rec, _ = _begin(mesh, names, "ppermute", x, 0, "")
     for src, dst in perm:
         if src == me and dst == me:
             out.copy_(x)

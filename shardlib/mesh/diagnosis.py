@@ -170,7 +170,8 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         parts = []
         for s in ranks:
             if s["status"] in ("returned", "exited"):
-                parts.append(f"rank {s['rank']} finished step {s.get('step', 0)}")
+                parts.append(f"rank {s['rank']} finished step {s['step']}" if s.get("step") else
+                             f"rank {s['rank']} ended before its first optimizer step")
             else:
                 parts.append(f"rank {s['rank']} is in step {s.get('step', 0) + 1}")
         lines.append("Steps: " + ", ".join(parts) + ".")

@@ -243,6 +243,14 @@ class Trace:
             self._sites[(f.f_code, f.f_lasti, with_func)] = text
         return text
 
+    def new_task(self) -> None:
+        """Count every group's collectives from 0 again: a new function of ``launch`` starts on
+        every rank at once (an earlier one may have ended on different ranks at different points)."""
+        self._gseq.clear()
+        self.step = 0
+        self._buf[_HEADER:] = bytes(SLOTS * _SLOT)  # the earlier task's records would pair with this one's
+        self._write_header()
+
     def next_step(self) -> None:
         """An optimizer step finished on this rank."""
         self.step += 1

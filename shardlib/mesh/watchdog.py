@@ -183,6 +183,7 @@ class Watchdog:
         """Forget verdicts of an earlier task (the test pool reuses processes)."""
         if self.verdict is not None:
             self.handled = max(self.handled, self.verdict[0])
+        self.trace.new_task()
 
     # -- states ------------------------------------------------------------------------------------
     def state(self) -> dict:
