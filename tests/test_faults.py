@@ -276,8 +276,27 @@ def _killed():
     return "done"
 
 
-def test_killed_rank_is_named_gone():
-    err = _run_failing(2, _killed)
+def _killed_before_post():
+    import os
+    import signal
+    import time
+
+    import torch
+
+    import shardlib
+
+    mesh = _setup()
+    shardlib.all_reduce(torch.ones(3), "dp")
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2.0)  # rank 1 is gone before rank 0 posts: gloo may refuse the send itself
+    shardlib.all_gather(torch.ones(3), "dp")
+    return "done"
+
+
+@pytest.mark.parametrize("case", ["in_wait", "before_post"])
+def test_killed_rank_is_named_gone(case):
+    err = _run_failing(2, _killed if case == "in_wait" else _killed_before_post)
     assert err.errors[1][0] == "ProcessExit" and "SIGKILL" in err.errors[1][1]
     exc, msg = err.errors[0]
     assert exc == "RankFailureError", msg

@@ -128,7 +128,7 @@ def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: i
     fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
     mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
     out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
-    work = dist.all_gather_into_tensor(out, mine, group=mesh.group(names, channel), async_op=True)
+    work = post(mesh, dist.all_gather_into_tensor, out, mine, group=mesh.group(names, channel), async_op=True)
 
     def verify() -> None:
         wait_works(mesh, [work], rec, False)
@@ -178,11 +178,25 @@ def _peer_sites(mesh: Mesh, rec: dict, ranks: list[int]) -> str:
     return "; ".join(f"rank {r}: " + (f"{got[r][0]} from {got[r][1]}" if r in got else "(no answer)") for r in ranks)
 
 
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group) -> list:
+def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group, mesh: Mesh) -> list:
     """Post point-to-point sends and receives ``[(global rank, tensor)]`` on ``group`` at once."""
-    works = [dist.isend(t, peer, group=group) for peer, t in sends]
-    works += [dist.irecv(t, peer, group=group) for peer, t in recvs]
+    works = [post(mesh, dist.isend, t, peer, group=group) for peer, t in sends]
+    works += [post(mesh, dist.irecv, t, peer, group=group) for peer, t in recvs]
     return works
+
+
+def post(mesh: Mesh, fn, *args, **kwargs):
+    """Issue the ``torch.distributed`` call ``fn(*args, **kwargs)``; on gloo, a failure at issue
+    (a peer gone: ``Connection closed by peer``) is diagnosed as a failed wait is, and raised as
+    a :class:`~shardlib.errors.CollectiveError` naming the rank that is gone."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        from ..errors import CollectiveError
+
+        if mesh.watchdog is None or mesh.backend != "gloo" or isinstance(exc, CollectiveError):
+            raise
+        mesh.watchdog.fail(exc)
 
 
 def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, int]]:
@@ -207,7 +221,7 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
     rec, verify = _begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
-    work = dist.all_reduce(t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
+    work = post(mesh, dist.all_reduce, t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
     return _finish([work], then, mesh, async_op, rec, verify=verify)
 
@@ -242,9 +256,9 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
         peers = _peers(mesh, names, index)
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)
-        works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group)
+        works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group, mesh)
         return _finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
-    work = dist.all_gather_into_tensor(out.view(-1), shard.view(-1), group=group, async_op=True)
+    work = post(mesh, dist.all_gather_into_tensor, out.view(-1), shard.view(-1), group=group, async_op=True)
     return _finish([work], None, mesh, async_op, rec, verify=verify)
 
 
@@ -273,7 +287,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     if mesh.backend == "gloo":
         peers = _peers(mesh, names, index)
         parts = {j: flat.new_empty(k) for j, _ in peers}
-        works = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group)
+        works = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group, mesh)
 
         def then():  # the owner sums its own slice, then the others' in rank order; scaled for "avg"
             rest = [parts[j] for j, _ in peers]
@@ -287,7 +301,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
                 out.div_(n)
 
         return _finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
-    work = dist.reduce_scatter_tensor(slot, flat, group=group, async_op=True)
+    work = post(mesh, dist.reduce_scatter_tensor, slot, flat, group=group, async_op=True)
 
     def then_nccl():
         if op == "avg":
@@ -307,7 +321,7 @@ def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -
     mesh.comm.record(_key(names), "broadcast", t.numel() * t.element_size(), n)
     rec, _ = _begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
     src = mesh.axis_ranks(names)[src_index]
-    wait_works(mesh, [dist.broadcast(t, src=src, group=mesh.group(names), async_op=True)], rec, False)
+    wait_works(mesh, [post(mesh, dist.broadcast, t, src=src, group=mesh.group(names), async_op=True)], rec, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +427,7 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
     rec, _ = _begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
-    wait_works(mesh, [dist.all_to_all(outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
+    wait_works(mesh, [post(mesh, dist.all_to_all, outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
     return torch.cat(outs, dim=concat_dim)
 
 
@@ -446,7 +460,7 @@ def _ppermute(x, mesh, names, perm):
         elif dst == me:
             ops.append(dist.P2POp(dist.irecv, out, ranks[src], group=mesh.group(names)))
     if ops:
-        wait_works(mesh, dist.batch_isend_irecv(ops), rec, True)
+        wait_works(mesh, post(mesh, dist.batch_isend_irecv, ops), rec, True)
     return out
 
 

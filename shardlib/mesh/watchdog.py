@@ -148,13 +148,8 @@ class Watchdog:
                 except CollectiveError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
-                    if box is None and _is_slice_timeout(exc) and not pending[0].is_completed():
-                        pass
-                    else:
-                        self._raise_verdict()
-                        fatal, cls, text = self.diagnose(lost=True)
-                        raise _CLASSES.get(cls, CollectiveError)(
-                            f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
+                    if not (box is None and _is_slice_timeout(exc) and not pending[0].is_completed()):
+                        self.fail(exc)
                 self._raise_verdict()
                 waited = time.monotonic() - start
                 if waited >= next_check:
@@ -172,6 +167,14 @@ class Watchdog:
                         + (f":\n{last}" if last else ""))
         finally:
             self.trace.waiting = None
+
+    def fail(self, exc: BaseException):
+        """A collective failed on this rank (gloo's ``Connection closed by peer``): ask the
+        others, name who is gone, and raise that as a :class:`CollectiveError` (never returns)."""
+        self._raise_verdict()
+        fatal, cls, text = self.diagnose(lost=True)
+        raise _CLASSES.get(cls, CollectiveError)(
+            f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
 
     def _raise_verdict(self) -> None:
         v = self.verdict

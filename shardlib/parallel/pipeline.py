@@ -36,9 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
-from ..mesh.collectives import raw_all_reduce, wait_works
+from ..mesh.collectives import post, raw_all_reduce, wait_works
 from ..random import MicrobatchDropout
-from .schedules import Action, build_schedule
+from .schedules import build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
 
@@ -187,8 +187,8 @@ class PipelineRunner:
         tag = self._tag(stage, mb, grad)
         self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
         rec = self._trace("send", t, stage, mb, grad, dst)
-        pending.append((dist.isend(header, dst, group=self.group, tag=tag), rec))
-        pending.append((dist.isend(t, dst, group=self.group, tag=tag + 1), rec))
+        pending.append((post(self.mesh, dist.isend, header, dst, group=self.group, tag=tag), rec))
+        pending.append((post(self.mesh, dist.isend, t, dst, group=self.group, tag=tag + 1), rec))
 
     def _trace(self, kind: str, t: torch.Tensor, stage: int, mb: int, grad: bool, peer: int) -> dict:
         what = "gradient" if grad else "activation"
@@ -202,10 +202,10 @@ class PipelineRunner:
         tag = self._tag(sender_stage, mb, grad)
         header = torch.empty(8, dtype=torch.int64)
         rec = self._trace("recv", header, sender_stage, mb, grad, src)
-        wait_works(self.mesh, [dist.irecv(header, src, group=self.group, tag=tag)], rec, True)
+        wait_works(self.mesh, [post(self.mesh, dist.irecv, header, src, group=self.group, tag=tag)], rec, True)
         ndim = int(header[0])
         buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])])
-        wait_works(self.mesh, [dist.irecv(buf, src, group=self.group, tag=tag + 1)], rec, True)
+        wait_works(self.mesh, [post(self.mesh, dist.irecv, buf, src, group=self.group, tag=tag + 1)], rec, True)
         return buf
 
     # -- one step ------------------------------------------------------------------------------
