@@ -236,47 +236,9 @@ def test_zero3_evaluation_on_rank0_only_default_mode():
 
 # -- lost ranks ------------------------------------------------------------------------------------
 
-def _frozen():
-    import os
-    import signal
-
-    import torch
-
-    import shardlib
-
-    mesh = _setup()
-    shardlib.all_reduce(torch.ones(3), "dp")
-    if mesh.rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)
-    shardlib.all_reduce(torch.ones(3), "dp")
-    return "done"
-
-
-def test_frozen_rank_is_named():
-    err = _run_failing(2, _frozen)
-    assert err.rank == 0 and err.exc_type == "RankFailureError", err
-    msg = err.message
-    assert msg.startswith("rank 1 is frozen") and "stopped (SIGSTOP" in msg, msg
-    assert "rank 0 (" in msg and "waiting" in msg  # the neighbour is shown waiting, not blamed
-
-
-def _killed():
-    import os
-    import signal
-
-    import torch
-
-    import shardlib
-
-    mesh = _setup()
-    shardlib.all_reduce(torch.ones(3), "dp")
-    if mesh.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    shardlib.all_gather(torch.ones(3), "dp")
-    return "done"
-
-
-def _killed_before_post():
+def _lose_rank1(signal_name: str, delay: float = 0.0):
+    """Rank 1 sends itself ``signal_name`` after one collective; rank 0 (after ``delay`` s) issues
+    the next one."""
     import os
     import signal
     import time
@@ -288,15 +250,23 @@ def _killed_before_post():
     mesh = _setup()
     shardlib.all_reduce(torch.ones(3), "dp")
     if mesh.rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(2.0)  # rank 1 is gone before rank 0 posts: gloo may refuse the send itself
+        os.kill(os.getpid(), getattr(signal, signal_name))
+    time.sleep(delay)  # rank 1 gone before rank 0 posts: gloo may refuse the send itself
     shardlib.all_gather(torch.ones(3), "dp")
     return "done"
 
 
+def test_frozen_rank_is_named():
+    err = _run_failing(2, _lose_rank1, "SIGSTOP")
+    assert err.rank == 0 and err.exc_type == "RankFailureError", err
+    msg = err.message
+    assert msg.startswith("rank 1 is frozen") and "stopped (SIGSTOP" in msg, msg
+    assert "rank 0 (" in msg and "waiting" in msg  # the neighbour is shown waiting, not blamed
+
+
 @pytest.mark.parametrize("case", ["in_wait", "before_post"])
 def test_killed_rank_is_named_gone(case):
-    err = _run_failing(2, _killed if case == "in_wait" else _killed_before_post)
+    err = _run_failing(2, _lose_rank1, "SIGKILL", 0.0 if case == "in_wait" else 2.0)
     assert err.errors[1][0] == "ProcessExit" and "SIGKILL" in err.errors[1][1]
     exc, msg = err.errors[0]
     assert exc == "RankFailureError", msg
