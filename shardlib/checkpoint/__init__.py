@@ -24,6 +24,9 @@ deletes or replaces what it did not write (a user's folder or file at ``<path>``
 finished checkpoint only with ``overwrite=True``. A failure on one rank while writing (rank 0's
 folder, any rank's data files, rank 0's marker and renames) or reading (a damaged data file)
 is the same :class:`CheckpointError` on every rank: the ranks exchange their errors at each step.
+A rank killed or frozen while saving or loading is named by the others, a
+:class:`~shardlib.errors.RankFailureError` within ``SHARDLIB_WATCHDOG`` seconds on gloo: those
+exchanges and DCP's own collectives run under the watchdog (:func:`_files.watched`).
 
 Keys: ``model.<name>`` (parameters and persistent buffers), ``optim.<name>.<state>``,
 ``optim.param_groups``, ``dropout.<module path>`` (counters of the mesh-independent dropout),
@@ -44,12 +47,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..errors import CollectiveError
 from ..random import MeshDropout
 from ..shard import ShardedModule
 from ..state_names import persistent_buffers
 from ._export import export_safetensors
 from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check_save_target, describe, failure_of,
-                     finish_partial, prepare_partial, read_marker, short_error)
+                     finish_partial, prepare_partial, read_marker, short_error, watched)
 from ._fit import fit_problems
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
@@ -183,6 +187,11 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             writing (rank 0 making the folder, any rank's DCP write, rank 0's marker and renames),
             naming the ranks and their errors; ``path`` is then as it was, unless the message
             says otherwise.
+        RankFailureError: on the ranks still running, when a rank is killed or frozen during the
+            save (a :class:`~shardlib.errors.CollectiveError`: the process group is unusable; on
+            gloo within ``SHARDLIB_WATCHDOG`` seconds). The message begins with
+            ``checkpoint.save(path) stopped while <phase>``, names the lost rank, and ends with
+            where the checkpoint and the previous one are.
 
     Example:
         >>> import shardlib, tempfile
@@ -202,25 +211,40 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     check_save_target(path, overwrite)  # every rank, before any write or communication
     sd = _save_state(smodel, optimizer, extra)  # its checks too: nothing written yet
     rank, tmp = dist.get_rank(), path + PARTIAL
-    left = {"making the folder": f"{path!r} is as it was",
+    left = {"checking the paths": f"{path!r} is as it was (nothing was written)",
+            "making the folder": f"{path!r} is as it was",
             "writing the data files": f"{path!r} is as it was; the unfinished save is in {tmp!r} (the next save to "
                                       f"{path!r} removes it)",
             "finishing": f"The new checkpoint is in {tmp!r} or {path!r}, the previous one, if any, in {path!r} or "
                          f"{path + OLD!r} (load() names the folder to use)"}
 
+    def lost(exc: CollectiveError, what: str) -> CollectiveError:  # a peer killed or frozen: the group is unusable
+        return type(exc)(f"checkpoint.save({path!r}) stopped while {what}: {exc}\n{left[what]}")
+
+    def exchange(what: str, failure) -> dict:  # a collective in place of a bare barrier: no rank waits for the timeout
+        try:
+            return agree(failure, smodel.mesh, f"checkpoint.save: after {what}")
+        except CollectiveError as exc:
+            raise lost(exc, what) from exc
+
     def step(what: str, work) -> None:  # ``work`` on this rank; then every rank learns every rank's failure
         failure = None
         try:
             work()
+        except CollectiveError as exc:  # raised by the watchdog on the ranks still alive
+            raise lost(exc, what) from exc
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised on every rank below
             failure = failure_of(exc)
-        failures = agree(failure)  # a collective in place of a bare barrier: no rank waits for the timeout
+        failures = exchange(what, failure)
         if failures:
             raise CheckpointError(f"checkpoint.save({path!r}) failed {what} on {describe(failures)}. {left[what]}")
 
-    agree(None)  # every rank has checked the paths before rank 0 changes one (else it might see a half-made folder)
+    exchange("checking the paths", None)  # every rank has checked them before rank 0 changes one (else it
+    # might see a half-made folder)
     step("making the folder", lambda: prepare_partial(path) if rank == 0 else None)
-    step("writing the data files", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner()))
+    step("writing the data files", lambda: watched(  # DCP's collectives, under the watchdog (gloo)
+        smodel.mesh, "dcp.save", "checkpoint.save: writing the data files",
+        lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())))
 
     def finish():
         if rank == 0:
@@ -304,6 +328,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             another optimizer class (AdamW saved, SGD given). On every rank at once, after
             reading has started: a data file (``*.distcp``) that cannot be read on some rank
             (damaged or missing; the file is named); the model may then be partly loaded.
+        RankFailureError: on the ranks still running, when a rank is killed or frozen while
+            reading (a :class:`~shardlib.errors.CollectiveError`; on gloo within
+            ``SHARDLIB_WATCHDOG`` seconds), naming it; the checkpoint is as it was.
         TypeError: ``smodel`` is not sharded, or ``optimizer`` is not a ZeroOptimizer.
     """
     if not isinstance(smodel, ShardedModule):
@@ -380,7 +407,12 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             sd[key] = None
     planner = LoadPlanner()
     try:  # DCP gathers every rank's read errors: a damaged file read by one rank fails every rank
-        dcp.load(sd, storage_reader=reader, planner=planner)
+        watched(smodel.mesh, "dcp.load", "checkpoint.load: reading the data files",  # DCP's collectives, watched
+                lambda: dcp.load(sd, storage_reader=reader, planner=planner))
+    except CollectiveError as exc:  # a peer killed or frozen: not a damaged checkpoint
+        raise type(exc)(f"checkpoint.load({path!r}) stopped while reading the data files: {exc}\nThe model"
+                        f"{' and optimizer' if inner is not None else ''} may be partly loaded; the checkpoint is as "
+                        f"it was (load() only reads it)") from exc
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - the same error on every rank
         raise CheckpointError(
             f"checkpoint {path!r} cannot be read: {describe(failure_of(exc))}. It may be damaged, and the model"

@@ -87,7 +87,7 @@ def export_safetensors(path: str | os.PathLike, smodel: ShardedModule, overwrite
             _write(path, state)
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             failure = failure_of(exc)
-    failures = agree(failure)
+    failures = agree(failure, smodel.mesh, f"export_safetensors({path!r})")  # a lost peer is named
     if failures:
         raise CheckpointError(f"checkpoint.export_safetensors({path!r}) failed on {describe(failures)}; no file was "
                               f"left behind and {path!r} is as it was")

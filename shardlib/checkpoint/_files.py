@@ -6,7 +6,9 @@ written when that folder was made. :func:`check_save_target` refuses, on every r
 any write or communication, whatever save() would replace that is not ours (a user's folder or
 file, a link), and a finished checkpoint unless ``overwrite=True``. :func:`agree` turns a failure
 on one rank into the same error on every rank: all ranks exchange their error (or None) where
-the old code had a bare barrier, so no rank waits for the collective timeout.
+the old code had a bare barrier, so no rank waits for the collective timeout. :func:`watched`
+runs these exchanges and DCP's own collectives under the watchdog: a rank killed or frozen
+mid-save or mid-load is named by the others within seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.futures import Future
 from ..errors import ShardingError
 
 __all__ = ["CheckpointError", "MARKER", "PARTIAL", "OLD", "read_marker", "check_save_target", "check_parent",
-           "prepare_partial", "finish_partial", "agree", "failure_of", "describe", "short_error", "Reader"]
+           "prepare_partial", "finish_partial", "agree", "watched", "failure_of", "describe", "short_error", "Reader"]
 
 MARKER = "shardlib_checkpoint.json"  # written last: its presence means the save finished
 OWNER = ".shardlib_partial.json"  # written first into <path>.partial: the folder is ours to remove
@@ -228,11 +230,39 @@ def describe(failures: dict[int, str]) -> str:
     return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {t}" for t, r in by_text.items())
 
 
-def agree(failure: dict[int, str] | None) -> dict[int, str]:
+def watched(mesh, kind: str, note: str, fn, shape: tuple = (), dtype: str = ""):
+    """``fn()``, blocking ``torch.distributed`` calls (DCP's, an object exchange), on gloo under
+    the watchdog of ``mesh`` (:meth:`~shardlib.mesh.watchdog.Watchdog.call`): recorded in the
+    collective trace as ``kind`` with ``note``, ``shape`` and ``dtype`` (the same on every rank),
+    so that a peer killed or frozen meanwhile is named (a
+    :class:`~shardlib.errors.RankFailureError`) within ``SHARDLIB_WATCHDOG`` seconds, not after
+    the collective timeout. On NCCL, or without a mesh, ``fn()`` runs as it is (NCCL's own
+    watchdog bounds its collectives).
+
+    An ``Exception`` of ``fn`` counts as a failed collective and is diagnosed: DCP's ``save`` and
+    ``load`` raise the failures of their ranks' own work (a write, a read, a plan) as a
+    ``CheckpointException``, a ``BaseException``, on every rank, which is re-raised as it is; what
+    else they raise comes from a collective that failed (gloo's "Connection closed by peer").
+
+    Raises:
+        CollectiveError: a peer is lost (gone or frozen), or the ranks diverged.
+        CheckpointException: DCP's, as ``fn`` raised it.
+    """
+    dog = mesh.watchdog if mesh is not None and mesh.backend == "gloo" else None
+    if dog is None:
+        return fn()
+    trace = mesh.trace
+    rec = trace.record(kind, trace.label(mesh, mesh.axis_names, 0), shape, dtype, note)
+    return dog.call(fn, rec, mesh.timeout, collective=True)
+
+
+def agree(failure: dict[int, str] | None, mesh=None, note: str = "") -> dict[int, str]:
     """Exchange this rank's failures (or None) with every rank (a collective: every rank calls
-    it at the same point); returns every rank's failures merged, the same dict on each rank."""
+    it at the same point); returns every rank's failures merged, the same dict on each rank.
+    With ``mesh`` (gloo), a lost peer raises a CollectiveError naming it (see :func:`watched`)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, failure)
+    watched(mesh, "all_gather_object", note, lambda: dist.all_gather_object(gathered, failure),
+            shape=(len(gathered),), dtype="object")
     merged: dict[int, str] = {}
     for part in gathered:
         merged.update(part or {})

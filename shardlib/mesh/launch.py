@@ -29,6 +29,7 @@ from ..errors import WorkerError
 __all__ = ["launch", "WorkerGroup"]
 
 _FATAL = ("ProcessExit", "CollectiveError", "CollectiveMismatchError", "RankFailureError", "CollectiveTimeoutError")
+_LOST_GRACE = 45.0  # s after a worker died: the survivors' diagnosis (watchdog 30 s + answers) comes within it
 _UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
 _UNGUARDED = (
     "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
@@ -185,6 +186,8 @@ class WorkerGroup:
                             " (a native crash; the worker's stderr has the backend's message)" if -code in (6, 11) else "")
                     errors[rank] = ("ProcessExit", f"worker process exited ({how}){self._last_collectives(rank)}", "")
                     del pending[rank]
+                    if grace_end is None:  # the survivors' watchdog names the dead rank: give them time to say so
+                        grace_end = time.monotonic() + _LOST_GRACE
                     continue
                 del pending[rank]
                 if kind == "ok":

@@ -12,7 +12,9 @@ is fatal (a rank lost, or the ranks' collectives differ and nobody is on their w
 published in the store and every blocked rank raises it within a second. A wait that fails
 (gloo's ``Connection closed by peer``) is diagnosed at once and raised as
 :class:`~shardlib.errors.RankFailureError` naming the rank, host and pid that is gone.
-``SHARDLIB_TIMEOUT`` still bounds every wait.
+``SHARDLIB_TIMEOUT`` still bounds every wait. Blocking calls that shardlib does not issue
+itself (DCP's collectives in a checkpoint, ``all_gather_object``) run on a helper thread while
+the main thread waits the same way (:meth:`Watchdog.call`).
 
 Waits on gloo collectives (``all_reduce``, ``broadcast``, ``all_gather_into_tensor``) are
 sliced directly: an expired slice leaves the collective running. A gloo point-to-point wait
@@ -82,6 +84,35 @@ class _Waiter:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 box[1] = exc
             box[0].set()
+
+
+class _Call:
+    """``fn()`` run on a helper thread, waited on by :meth:`Watchdog.wait` as if it were a gloo
+    work: a wait of a slice that does not see it end raises a "timed out" error (a slice)."""
+
+    def __init__(self, fn, collective: bool):
+        self.result, self.error, self._collective = None, None, collective
+        self._done = threading.Event()
+        self._seen = False  # the last wait saw the end (not: it ended just after that wait's slice)
+        threading.Thread(target=self._run, args=(fn,), name="shardlib-call", daemon=True).start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._seen
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        self._seen = self._done.wait(timeout.total_seconds())
+        if not self._seen:
+            raise TimeoutError("timed out (a slice of the watchdog's wait; the call runs on)")
+        if self._collective and isinstance(self.error, Exception):
+            raise self.error  # the collective failed: a peer is gone (diagnosed by the wait)
 
 
 class Watchdog:
@@ -175,6 +206,31 @@ class Watchdog:
         fatal, cls, text = self.diagnose(lost=True)
         raise _CLASSES.get(cls, CollectiveError)(
             f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
+
+    def call(self, fn, rec: dict, timeout: datetime.timedelta, collective: bool = False):
+        """Run ``fn()``, blocking ``torch.distributed`` calls that shardlib does not issue itself
+        (DCP's, ``all_gather_object``), on a helper thread while this thread waits as in
+        :meth:`wait` under the record ``rec``: a frozen or lost peer is named within
+        ``SHARDLIB_WATCHDOG`` seconds instead of after the backend's timeout. If a fatal verdict
+        is raised, the helper thread is left blocked in the backend (the group is unusable).
+
+        Args:
+            fn: the call; its result is returned and its exception re-raised here.
+            rec: its trace record (what the other ranks are told this rank waits in).
+            timeout: the most it may wait (``SHARDLIB_TIMEOUT``).
+            collective: an ``Exception`` of ``fn`` comes from a failed collective: it is
+                diagnosed as one (a :class:`RankFailureError` naming the rank that is gone);
+                otherwise (and always for a ``BaseException`` that is not an ``Exception``) it
+                is re-raised as it is.
+
+        Raises:
+            CollectiveError: as :meth:`wait`.
+        """
+        work = _Call(fn, collective)
+        self.wait([work], rec, timeout, p2p=False)
+        if work.error is not None:
+            raise work.error
+        return work.result
 
     def _raise_verdict(self) -> None:
         v = self.verdict
