@@ -180,7 +180,7 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
                      "batches (one rank runs more steps), evaluation or a collective on one rank only, a layer run a "
                      "different number of times.")
     elif cls == "RankFailureError":
-        if diff is not None:
+        if diff is not None and all(rec is not None for rec in diff[3].values()):  # both issued it, differently
             lines.append("The first difference above is the likely cause: gloo aborts a process whose collective "
                          "receives another size than it expects.")
         lines.append("Fix: read the lost rank's own log (stderr) for why it ended or stopped; restart from the last "
