@@ -130,3 +130,13 @@ def test_finished_rank_outside_the_waiting_group_is_not_a_verdict():
     states = {0: _state(0, "waiting", [rec3], rec3), 1: _state(1, "busy", [rec3]), 2: _state(2, "returned", [])}
     fatal, cls, _ = analyze(states, 3)
     assert fatal and cls == "CollectiveMismatchError"
+
+
+def test_a_rank_that_issued_the_collective_and_finished_is_not_waited_for():
+    """Rank 0 took part in the last collective and returned while rank 1 was still seeing it
+    complete (the states are gathered over seconds): not stuck."""
+    recs = [_rec(0), _rec(1)]
+    states = {0: _state(0, "returned", recs), 1: _state(1, "waiting", recs, recs[-1])}
+    assert not analyze(states, 2)[0]
+    states[0] = _state(0, "returned", recs[:1])  # rank 0 returned without issuing it: stuck
+    assert analyze(states, 2)[0]

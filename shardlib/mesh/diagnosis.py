@@ -77,6 +77,16 @@ def first_difference(states: dict[int, dict]):
     return best
 
 
+def _issued(state: dict, rec: dict) -> bool:
+    """Whether the rank of ``state`` issued the collective ``rec`` (its index on the group):
+    then a rank waiting in it was only slow to see it complete. Unknown records count as issued."""
+    records = state.get("records")
+    if records is None:
+        return True
+    return any(r["group"] == rec["group"] and r["gseq"] >= rec["gseq"] and r["kind"] not in ("send", "recv")
+               for r in records)
+
+
 def describe_difference(states: dict[int, dict], diff=None) -> list[str]:
     """The lines that show :func:`first_difference` (computed if not given); ``[]`` if none."""
     diff = first_difference(states) if diff is None else diff
@@ -137,8 +147,9 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     lost = [s for s in ranks if s["status"] in LOST]
     hard_lost = [s for s in lost if s["status"] != "silent"]
     busy = [s for s in ranks if s["status"] == "busy"]
-    finished = {s["rank"] for s in ranks if s["status"] in ("returned", "exited")}
-    done = [s for s in ranks if s["status"] == "waiting" and finished & set(_members(s["waiting"]["group"]))]
+    finished = {s["rank"]: s for s in ranks if s["status"] in ("returned", "exited")}
+    done = [s for s in ranks if s["status"] == "waiting" and any(
+        not _issued(finished[m], s["waiting"]) for m in _members(s["waiting"]["group"]) if m in finished)]
     diff = first_difference(states)
     untraced = not busy and diff is None and any(s["status"] == "untraced" for s in ranks) and any(
         s["status"] == "waiting" for s in ranks)  # one rank in a call of its own, the others in ours

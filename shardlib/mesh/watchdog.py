@@ -184,7 +184,8 @@ class Watchdog:
                 self._raise_verdict()
                 waited = time.monotonic() - start
                 if waited >= next_check:
-                    fatal, cls, text = self.diagnose()
+                    fatal, cls, text = self.diagnose(finished=lambda: box[0].is_set() if box is not None else
+                                                     all(w.is_completed() for w in pending))
                     last = text
                     if fatal:
                         raise _CLASSES.get(cls, CollectiveError)(text)
@@ -305,8 +306,14 @@ class Watchdog:
                 state["step"] = int(header.get("step", 0) or 0)
         return state
 
-    def diagnose(self, lost: bool = False) -> tuple[bool, str, str]:
+    def diagnose(self, lost: bool = False, finished=None) -> tuple[bool, str, str]:
         """Ask every rank for its state through the store and analyze them.
+
+        Args:
+            lost: this rank's own collective failed (a peer is gone): answers are awaited for
+                half as long, and the verdict is fatal whatever the others say.
+            finished: ``() -> bool``, whether this rank's wait completed meanwhile (the states are
+                a few seconds old by the end): a fatal verdict is then dropped, not published.
 
         Returns:
             ``(fatal, error class name, message)``; a fatal verdict is also published, so every
@@ -331,6 +338,8 @@ class Watchdog:
         fatal, cls, text = analyze(states, self.world)
         if lost and not fatal:  # our own wait failed: the pair is closed whatever the others say
             fatal, cls = True, "RankFailureError" if cls == "RankFailureError" else "CollectiveError"
+        if fatal and not lost and finished is not None and finished():
+            return False, cls, text  # the collective completed while the states were gathered: not stuck
         if fatal:
             store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text]))
             store.add(_VCOUNT, 1)
