@@ -151,6 +151,21 @@ def _full(seed):
     return shardlib.full_state_dict(_tiny(seed)[0])
 
 
+@pytest.mark.multiprocess
+def test_overwrite_keeps_the_users_files_inside_a_checkpoint(tmp_path):
+    """overwrite=True replaces a checkpoint, not a NOTES.txt the user put into its folder (found
+    by a new-user review: it was deleted with the old checkpoint)."""
+    path = str(tmp_path / "step_1")
+    run_on(2, _save, path, extra={"run": 1}, timeout=RUN_TIMEOUT_S)
+    with open(os.path.join(path, "NOTES.txt"), "w") as f:
+        f.write("what this run was\n")
+    before = _snapshot(tmp_path)
+    _raises_on_every_rank(r"checkpoint\.save\('[^']*/step_1'\): the checkpoint '[^']*/step_1' also holds NOTES\.txt, "
+                          r"which save\(\) did not write; replacing the checkpoint would delete them\. Fix: move them",
+                          _save, path, True, 1, {"run": 2})
+    assert _snapshot(tmp_path) == before
+
+
 # -- failures on one rank: an error on every rank, at once --------------------------------------
 
 @pytest.mark.multiprocess

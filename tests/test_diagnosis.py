@@ -76,12 +76,28 @@ def test_gone_rank_last_collective_from_its_trace_file():
     assert "rank 1 is gone" in text and "(8,)" in text and "(4,)" in text
 
 
-def test_silent_rank_with_busy_peer_waits():
+def test_silent_rank_is_not_a_verdict():
+    """A rank that is alive but does not answer (a long call holding the GIL: a rank-0-only
+    torch.load, a tokenizer) may still get there: named, not fatal (SHARDLIB_TIMEOUT bounds it);
+    a stopped one is fatal (see above)."""
     states = {0: _state(0, "waiting", [_rec(0)], _rec(0)), 1: _state(1, "silent", None), 2: _state(2, "busy", [])}
     assert not analyze(states, 3)[0]
     states[2] = _state(2, "waiting", [_rec(0)], _rec(0))
     fatal, cls, text = analyze(states, 3)
-    assert fatal and cls == "RankFailureError" and "did not answer" in text
+    assert not fatal and cls == "CollectiveTimeoutError" and "still on its way" in text and "did not answer" in text
+
+
+def test_same_collective_from_two_lines_is_not_a_mismatch():
+    """Two branches reaching one all_reduce, then every rank in the same slow all_gather: not
+    stuck. With a real difference later, the earlier parting of the paths is shown too."""
+    r0 = [_rec(0, caller="a.py:25 in main"), _rec(1, kind="all_gather")]
+    r1 = [_rec(0, caller="a.py:27 in main"), _rec(1, kind="all_gather")]
+    states = {0: _state(0, "waiting", r0, r0[-1]), 1: _state(1, "waiting", r1, r1[-1])}
+    assert not analyze(states, 2)[0]
+    r1[1] = _rec(1, kind="broadcast")
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and "First difference: the 2nd collective" in text
+    assert "paths part earlier" in text and "a.py:25 in main" in text and "a.py:27 in main" in text
 
 
 def test_steps_are_compared():

@@ -228,7 +228,8 @@ def _snapshot(root, names):
 
 def _fault_run(root, layout, fault, match):
     """The faulting run, timed from a started pool; the WorkerError (matching ``match``: the
-    lowest rank's error), the seconds it took and the workers' pids."""
+    lowest rank's own error or death, before the collective errors it caused), the seconds it
+    took and the workers' pids."""
     pids = run_on(2, os.getpid)  # the pool is started before the clock: the fault alone is timed
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=match) as info:
@@ -319,8 +320,9 @@ def test_a_rank_killed_while_training_with_checkpoints(tmp_path, tmp_path_factor
     case = CASES[where]
     rank, other = case["rank"], 1 - case["rank"]
     before = _user_files(tmp_path)
-    first = "ProcessExit: " + _KILLED if rank == 0 else "RankFailureError: " + case["head"]
-    err, _, _ = _fault_run(tmp_path, case["layout"], (rank, case["step"], where), "^rank 0 failed with " + first)
+    # the launcher names the cause first: the killed rank, then the errors it caused on the others
+    err, _, _ = _fault_run(tmp_path, case["layout"], (rank, case["step"], where),
+                           f"^rank {rank} failed with ProcessExit: " + _KILLED)
     assert set(err.errors) == {0, 1}, err.errors
     kind, msg = err.errors[rank]
     assert kind == "ProcessExit" and re.match(_KILLED, msg), err.errors

@@ -152,6 +152,13 @@ def check_save_target(path: str, overwrite: bool) -> None:
     if kind not in ("none", "checkpoint"):
         raise CheckpointError(f"{caller}: {path!r} is {what}; save() writes a checkpoint folder there and never "
                               f"replaces what it did not write. Fix: choose another path, or move it away")
+    for folder in (path, path + PARTIAL, path + OLD):
+        foreign = _foreign_entries(folder) if _what(folder)[0] in ("checkpoint", "unfinished") else []
+        if foreign:  # overwrite replaces a checkpoint, not the user's files put inside it
+            raise CheckpointError(
+                f"{caller}: the checkpoint {folder!r} also holds {', '.join(foreign[:4])}"
+                f"{', ...' if len(foreign) > 4 else ''}, which save() did not write; replacing the checkpoint would "
+                f"delete them. Fix: move them out of the checkpoint folder, or choose another path")
     kind, what = _what(path + PARTIAL)
     if kind == "checkpoint" and not overwrite:
         raise CheckpointError(
@@ -170,6 +177,15 @@ def check_save_target(path: str, overwrite: bool) -> None:
         raise CheckpointError(
             f"{caller}: {path + OLD!r} is {what}; save() moves the checkpoint it replaces there and removes only "
             f"checkpoints. Fix: move it away, or choose another path")
+
+
+def _foreign_entries(folder: str) -> list[str]:
+    """Entries of a checkpoint folder that save() never writes (DCP's ``.metadata`` and
+    ``*.distcp``, the marker, the ownership file), sorted; [] if the folder is absent."""
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return []
+    ours = {".metadata", MARKER, OWNER, MARKER + ".tmp"}
+    return sorted(n for n in os.listdir(folder) if n not in ours and not n.endswith(".distcp"))
 
 
 # -- rank 0's folder work -----------------------------------------------------------------------

@@ -147,8 +147,12 @@ def _mismatch(mesh: Mesh, names, rows: list, rec: dict) -> None:
     dtypes = {v: k for k, v in _DTYPE_IDS.items()}
 
     def say(row):
-        return (f"{_KINDS[row[0]]}(shape {tuple(row[3:3 + row[2]])}, {dtypes.get(row[1], '?').replace('torch.', '')}"
-                + (f", op/dim {row[12]}" if row[12] else "") + f"), its {ordinal(row[11] + 1)} on the group")
+        kind, extra = _KINDS[row[0]], row[12]
+        how = {"all_reduce": f", op {list(_OPS)[extra]!r}" if 0 <= extra < len(_OPS) else "",
+               "reduce_scatter": f", op {list(_OPS)[extra]!r}" if 0 <= extra < len(_OPS) else "",
+               "broadcast": f", from index {extra}", "all_to_all": f", split dim {extra // 16}, concat dim {extra % 16}"}
+        return (f"{kind}(shape {tuple(row[3:3 + row[2]])}, {dtypes.get(row[1], '?').replace('torch.', '')}"
+                + how.get(kind, "") + f"), its {ordinal(row[11] + 1)} on the group")
 
     detail = "; ".join(f"rank {r}: {say(row)}" for r, row in zip(ranks, rows))
     sites = _peer_sites(mesh, rec, ranks)
@@ -166,16 +170,23 @@ def _peer_sites(mesh: Mesh, rec: dict, ranks: list[int]) -> str:
 
     dog = mesh.watchdog
     if dog is None:
-        return f"rank {mesh.rank}: {rec['site']} from {rec['caller']}"
+        return f"rank {mesh.rank}: {_where(rec)}"
     key = f"shardlib/check/{rec['group']}/{rec['gseq']}"
-    dog.store.set(f"{key}/{mesh.rank}", json.dumps([rec["site"], rec["caller"]]))
+    dog.store.set(f"{key}/{mesh.rank}", json.dumps(_where(rec)))
     got, deadline = {}, time.monotonic() + 5.0
     while len(got) < len(ranks) and time.monotonic() < deadline:
         for r in ranks:
             if r not in got and dog.store.check([f"{key}/{r}"]):
                 got[r] = json.loads(dog.store.get(f"{key}/{r}"))
         time.sleep(0.02)
-    return "; ".join(f"rank {r}: " + (f"{got[r][0]} from {got[r][1]}" if r in got else "(no answer)") for r in ranks)
+    return "; ".join(f"rank {r}: " + (got[r] if r in got else "(no answer)") for r in ranks)
+
+
+def _where(rec: dict) -> str:
+    """``zero.py:140 from train.py:88 in step`` (the caller alone when it is the site)."""
+    if rec["caller"] and not rec["caller"].startswith(rec["site"] + " "):
+        return f"{rec['site']} from {rec['caller']}"
+    return rec["caller"] or rec["site"]
 
 
 def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group, mesh: Mesh) -> list:

@@ -46,11 +46,13 @@ def ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def first_difference(states: dict[int, dict]):
+def first_difference(states: dict[int, dict], sites: bool = False):
     """``(time, group label, gseq, {rank: record or None})`` of the earliest divergence, or None.
 
     ``None`` for a rank means it never reached that index on the group (its records stop
     before); ranks whose records were evicted from their ring before that index are left out.
+    ``sites``: call sites count as a difference too (for showing where paths first part, not for
+    deciding: a correct program may reach one collective from two lines).
     """
     per: dict[str, dict[int, dict[int, dict]]] = {}
     for r, s in states.items():
@@ -69,7 +71,7 @@ def first_difference(states: dict[int, dict]):
             here = {r: known[r].get(gseq) for r in known if not (known[r] and gseq < span[r][0])}
             if len(here) < 2:
                 continue
-            if len({signature(x) if x else None for x in here.values()}) > 1:
+            if len({signature(x, sites) if x else None for x in here.values()}) > 1:
                 t = min(x["t"] for x in here.values() if x)
                 if best is None or t < best[0]:
                     best = (t, label, gseq, here)
@@ -96,8 +98,9 @@ def describe_difference(states: dict[int, dict], diff=None) -> list[str]:
     lines = [f"First difference: the {ordinal(gseq + 1)} collective on axis {_axis(label)!r} (group {label}):"]
     for r, rec in sorted(recs.items()):
         if rec is None:
-            n = sum(1 for x in states[r].get("records") or () if x["group"] == label)
-            lines.append(f"  rank {r}: issued none (its last {n} traced on this group end before it)")
+            n = sum(1 for x in states[r].get("records") or () if x["group"] == label and x["kind"] not in ("send", "recv"))
+            lines.append(f"  rank {r}: issued none (its last {n} collectives on this group end before it)" if n else
+                         f"  rank {r}: issued none (no collective on this group)")
         else:
             lines.append(f"  rank {r}: {format_record(rec)}, in step {rec['step'] + 1}")
     return lines
@@ -118,6 +121,9 @@ def _now(s: dict) -> str:
         return f"{who}: busy outside any collective at {s.get('frame', '?')}, in step {step + 1}"
     done = f"finished step {step}; " if step else ""
     if st == "returned":
+        how = s.get("how", "returned")
+        if how.startswith("raised"):
+            return f"{who}: {done}its function {how} (its own error is the cause) and it issues no more collectives"
         return f"{who}: {done}its function returned and it issues no more collectives"
     if st == "exited":
         return f"{who}: {done}its process exited normally"
@@ -146,7 +152,8 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     ranks = [states[r] for r in sorted(states)]
     lost = [s for s in ranks if s["status"] in LOST]
     hard_lost = [s for s in lost if s["status"] != "silent"]
-    busy = [s for s in ranks if s["status"] == "busy"]
+    # a rank that is alive but did not answer (a long call holding the GIL) may still be on its way
+    busy = [s for s in ranks if s["status"] in ("busy", "silent")]
     finished = {s["rank"]: s for s in ranks if s["status"] in ("returned", "exited")}
     done = [s for s in ranks if s["status"] == "waiting" and any(
         not _issued(finished[m], s["waiting"]) for m in _members(s["waiting"]["group"]) if m in finished)]
@@ -155,7 +162,7 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         s["status"] == "waiting" for s in ranks)  # one rank in a call of its own, the others in ours
     # stuck: a rank is lost; a rank waits for one that finished; or nobody is on the way and the
     # collectives differ. Not stuck: a rank is still busy, or every rank waits in the same collective.
-    fatal = bool(hard_lost) or bool(done) or (not busy and (bool(lost) or diff is not None or untraced))
+    fatal = bool(hard_lost) or bool(done) or (not busy and (diff is not None or untraced))
     lines = []
     if hard_lost:
         head = ", ".join(f"rank {s['rank']}" for s in hard_lost)
@@ -163,9 +170,11 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         lines.append(f"{head} {kind} {'gone or frozen' if len(hard_lost) > 1 else hard_lost[0]['status'].replace('stopped', 'frozen')}: "
                      f"the other ranks wait for {'it' if len(hard_lost) == 1 else 'them'} in their collectives.")
         cls = "RankFailureError"
-    elif lost and fatal:
-        lines.append(f"rank {lost[0]['rank']} did not answer while the others wait for it in their collectives.")
-        cls = "RankFailureError"
+    elif not fatal:
+        lines.append("a collective waits for a rank that is still on its way (busy outside any collective, or not "
+                     "answering); not an error until SHARDLIB_TIMEOUT." if busy else
+                     "a collective is taking long: every rank waits in the same one.")
+        cls = "CollectiveTimeoutError"
     elif diff is not None or done or untraced:
         lines.append("the ranks stopped issuing the same collectives (every rank of a group must issue the same "
                      "collectives in the same order).")
@@ -174,6 +183,11 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         lines.append("a collective is taking long." if not busy else "a collective waits for a rank that is still busy.")
         cls = "CollectiveTimeoutError"
     lines.extend(describe_difference(states, diff))
+    if diff is not None:
+        parted = first_difference(states, sites=True)
+        if parted is not None and parted[0] < diff[0]:
+            lines.append("The ranks' paths part earlier, where the call sites of one collective differ:")
+            lines.extend(describe_difference(states, parted)[1:])
     lines.append("Now:")
     lines.extend("  " + _now(s) for s in ranks)
     ended = {s["status"] in ("returned", "exited") for s in ranks}

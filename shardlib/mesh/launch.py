@@ -75,7 +75,7 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn)
             trace.set_status("returned")
             conn.send(("ok", cloudpickle.dumps(result)))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
-            trace.set_status("returned")
+            trace.set_status(f"raised {type(exc).__name__}")
             conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
     try:
         dist.destroy_process_group()
@@ -144,9 +144,10 @@ class WorkerGroup:
         """Run ``fn(*args, **kwargs)`` on every rank; results in rank order.
 
         Raises:
-            WorkerError: a rank raised (the lowest failing rank is named; ``errors`` has all of
-                them), died, or did not answer within ``timeout`` seconds (default: the group's
-                collective timeout plus a minute).
+            WorkerError: a rank raised (the lowest failing rank is named, a rank's own error or
+                death before the collective errors it caused on the others; ``errors`` has all
+                of them), died, or did not answer within ``timeout`` seconds (default: the
+                group's collective timeout plus a minute).
         """
         if not self.alive:
             raise RuntimeError("this WorkerGroup was closed after a failure; make a new one")
@@ -205,8 +206,9 @@ class WorkerGroup:
                     errors = {r: (t, m + ("\n" + diff if t == "ProcessExit" else ""), tb) for r, (t, m, tb) in errors.items()}
             if pending or any(kind in _FATAL for kind, _, _ in errors.values()):
                 self.close()  # a rank is stuck or gone, or the collectives are out of step: the group cannot run again
-            if errors:
-                first = min(errors)
+            if errors:  # the cause before its consequences: a rank's own error or death, then the collective errors
+                causes = [r for r, (t, _, _) in errors.items() if t not in _FATAL[1:]]
+                first = min(causes or errors)
                 exc_type, message, tb = errors[first]
                 summary = {r: (t, m) for r, (t, m, _) in sorted(errors.items())}
                 if pending:
@@ -224,9 +226,9 @@ class WorkerGroup:
         """``; its last collectives: ...`` from the trace file a dead worker left (see
         :mod:`shardlib.mesh.trace`), or ``""``."""
         from .diagnosis import ordinal
-        from .trace import format_record, read_trace_file
+        from .trace import format_record, read_trace_file, trace_path
 
-        _, records = read_trace_file(os.path.join(self._dir, f"rank{rank}-{self._procs[rank].pid}.trace"))
+        _, records = read_trace_file(trace_path(self._dir, rank, self._procs[rank].pid) or "")
         if not records:
             return ""
         shown = "; ".join(f"{format_record(r)} (the {ordinal(r['gseq'] + 1)} on {r['group']}, step {r['step'] + 1})"
@@ -236,11 +238,11 @@ class WorkerGroup:
     def _difference(self) -> str:
         """The first collective where the workers' trace files differ (all ranks), or ``""``."""
         from .diagnosis import describe_difference
-        from .trace import read_trace_file
+        from .trace import read_trace_file, trace_path
 
         states = {}
         for rank, proc in enumerate(self._procs):
-            _, records = read_trace_file(os.path.join(self._dir, f"rank{rank}-{proc.pid}.trace"))
+            _, records = read_trace_file(trace_path(self._dir, rank, proc.pid) or "")
             states[rank] = {"rank": rank, "status": "gone", "records": records or None}
         return "\n".join(describe_difference(states))
 

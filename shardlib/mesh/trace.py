@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["Trace", "SLOTS", "read_trace_file", "format_record", "signature", "is_library"]
+__all__ = ["Trace", "SLOTS", "read_trace_file", "trace_path", "format_record", "signature", "is_library", "main"]
 
 SLOTS = 512
 _SLOT = 256
@@ -56,17 +56,62 @@ def is_library(filename: str) -> bool:
 _TORCH_DIR = [""]
 
 
-def _trace_dir() -> str:
+_STALE_S = 7 * 24 * 3600  # trace files a crash left behind are removed after a week
+
+
+def _trace_dir() -> str | None:
+    """The folder of the ring files: ``SHARDLIB_TRACE_DIR``, else ``<tmp>/shardlib-trace-<uid>``
+    (mode 0700). None if it is not a folder this user owns (another user could plant links)."""
     d = os.environ.get("SHARDLIB_TRACE_DIR")
     if not d:
         d = os.path.join(tempfile.gettempdir(), f"shardlib-trace-{os.getuid() if hasattr(os, 'getuid') else 0}")
-    os.makedirs(d, exist_ok=True)
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError:
+        return None
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        return None
+    _remove_stale(d)
     return d
 
 
-def signature(rec: dict) -> tuple:
-    """What must agree across the ranks of a group for their ``gseq``-th collective to pair."""
-    return (rec["kind"], rec["shape"], rec["dtype"], rec["note"], rec["site"], rec["caller"])
+def _remove_stale(d: str) -> None:
+    """Remove ring files (ours: the name and the magic) older than a week that crashed runs left."""
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(d) if n.startswith("rank") and n.endswith(".trace")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(d, name)
+        try:
+            if now - os.lstat(path).st_mtime < _STALE_S or os.path.islink(path):
+                continue
+            with open(path, "rb") as f:
+                if f.read(len(_MAGIC)) != _MAGIC:
+                    continue
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def trace_path(folder: str, rank: int, pid: int) -> str | None:
+    """The ring file of ``rank`` (process ``pid``) in ``folder``, or None."""
+    import glob
+
+    found = glob.glob(os.path.join(glob.escape(folder), f"rank{rank}-{pid}-*.trace"))
+    return found[0] if found else None
+
+
+def signature(rec: dict, sites: bool = False) -> tuple:
+    """What must agree across the ranks of a group for their ``gseq``-th collective to pair:
+    kind, shape, dtype and the strategy's note; with ``sites``, also the call sites (which may
+    differ in a correct program: the same collective reached from two branches)."""
+    key = (rec["kind"], rec["shape"], rec["dtype"], rec["note"])
+    return key + (rec["site"], rec["caller"]) if sites else key
 
 
 def format_record(rec: dict, with_group: bool = True) -> str:
@@ -144,8 +189,9 @@ class Trace:
 
     Args:
         rank: this process's global rank.
-        path: the ring file; ``None`` picks ``<trace dir>/rank<rank>-<pid>.trace``; ``""`` keeps
-            the ring in anonymous memory (nothing survives the process).
+        path: the ring file, created (refused if it exists); ``None`` makes
+            ``<trace dir>/rank<rank>-<pid>-<random>.trace``; ``""`` keeps the ring in anonymous
+            memory (nothing survives the process).
 
     Attributes:
         step: optimizer steps finished on this rank (:meth:`next_step`).
@@ -168,17 +214,25 @@ class Trace:
         self._torch = _TORCH_DIR[0] = _torch_dir()
         size = _HEADER + SLOTS * _SLOT
         self.path = None
-        if path is None:
-            path = os.path.join(_trace_dir(), f"rank{rank}-{self.pid}.trace")
-        if path:
+        fd = None
+        try:
+            if path is None:  # a new file of a unique name (O_EXCL: never through a planted link)
+                d = _trace_dir()
+                if d is not None:
+                    fd, path = tempfile.mkstemp(prefix=f"rank{rank}-{self.pid}-", suffix=".trace", dir=d)
+            elif path:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError:
+            fd = None
+        if fd is not None:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.ftruncate(fd, size)
                 self._buf = mmap.mmap(fd, size)
-                os.close(fd)
                 self.path = path
             except OSError:
                 self._buf = mmap.mmap(-1, size)
+            finally:
+                os.close(fd)
         else:
             self._buf = mmap.mmap(-1, size)
         self._write_header()
@@ -224,7 +278,8 @@ class Trace:
             kind = self._kinds.get(code)
             if kind is None:
                 fn = code.co_filename
-                lib = fn.startswith(self._torch) or fn.startswith(_STDLIB_DIR) or fn.startswith("<frozen")
+                lib = (fn.startswith(self._torch) or fn.startswith(_STDLIB_DIR) or fn.startswith("<frozen")
+                       or "site-packages" in fn) and not fn.startswith(_PKG_DIR)
                 kind = self._kinds[code] = 0 if lib else 1 if fn.startswith(_MESH_DIR) else 2 if fn.startswith(_PKG_DIR) else 3
             if kind >= 2 and not site:
                 site = cache.get((code, f.f_lasti, False)) or self._site(f, False)
@@ -279,3 +334,36 @@ class Trace:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def main(argv=None) -> int:
+    """``python -m shardlib.mesh.trace FILE...``: print the last collectives of each rank's ring
+    file (those a crashed or killed run left in ``<tmp>/shardlib-trace-<uid>/``) and the first
+    collective where the ranks differ."""
+    import argparse
+
+    from .diagnosis import describe_difference
+
+    p = argparse.ArgumentParser(prog="python -m shardlib.mesh.trace", description=main.__doc__)
+    p.add_argument("files", nargs="+", help="ring files, one per rank (rank<R>-<pid>-*.trace)")
+    p.add_argument("--last", type=int, default=5, help="records shown per rank (default 5)")
+    args = p.parse_args(argv)
+    states = {}
+    for path in args.files:
+        header, records = read_trace_file(path)
+        if not header:
+            print(f"{path}: not a shardlib trace file")
+            continue
+        rank = int(header.get("rank", -1))
+        states[rank] = {"rank": rank, "status": "gone", "records": records}
+        print(f"rank {rank} (host {header.get('host')}, pid {header.get('pid')}, {header.get('status')}, "
+              f"{header.get('step')} optimizer steps), last collectives, oldest first:")
+        for rec in records[-args.last:]:
+            print(f"  {format_record(rec)} (#{rec['gseq'] + 1} on {rec['group']}, step {rec['step'] + 1})")
+    for line in describe_difference(states):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -48,14 +48,28 @@ _RECORDS = 128
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _seconds(name: str, default: str) -> float:
+    text = os.environ.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={text!r}: it must be a positive number of seconds (default {default})")
+    return value
+
+
 def watchdog_seconds() -> float:
     """Seconds a collective may wait before the ranks are asked for their states
-    (``SHARDLIB_WATCHDOG``, default 30)."""
-    return float(os.environ.get("SHARDLIB_WATCHDOG", "30"))
+    (``SHARDLIB_WATCHDOG``, default 30).
+
+    Raises:
+        ValueError: the variable is not a positive number, naming it."""
+    return _seconds("SHARDLIB_WATCHDOG", "30")
 
 
 def _answer_seconds() -> float:
-    return float(os.environ.get("SHARDLIB_WATCHDOG_ANSWER", "10"))
+    return _seconds("SHARDLIB_WATCHDOG_ANSWER", "10")
 
 
 def _is_slice_timeout(exc: BaseException) -> bool:
@@ -135,7 +149,6 @@ class Watchdog:
         self._answered = int(store.add(_GEN, 0))
         self._vseen = int(store.add(_VCOUNT, 0))
         self._vgen = self._answered
-        self._warned: set = set()
         store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
         import atexit
 
@@ -152,6 +165,7 @@ class Watchdog:
             RankFailureError: a rank is gone or frozen.
             CollectiveTimeoutError: ``timeout`` passed while a rank was busy elsewhere.
         """
+        next_check = watchdog_seconds()  # the variables are checked before anything is posted to wait for
         start = time.monotonic()
         limit = timeout.total_seconds()
         box = None
@@ -160,8 +174,7 @@ class Watchdog:
                 self._waiter = _Waiter()
             box = self._waiter.submit(works, timeout)
         self.trace.waiting = (rec, start)
-        next_check = watchdog_seconds()
-        last = None
+        last, noted = None, False
         try:
             pending = list(works)
             while True:
@@ -180,6 +193,10 @@ class Watchdog:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
                     if not (box is None and _is_slice_timeout(exc) and not pending[0].is_completed()):
+                        if "timed out" in str(exc).lower() and time.monotonic() - start >= 0.9 * limit:
+                            raise CollectiveTimeoutError(  # the backend's own timeout (the same SHARDLIB_TIMEOUT)
+                                f"a collective waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
+                                f"{self.rank}" + (f":\n{last}" if last else "")) from exc
                         self.fail(exc)
                 self._raise_verdict()
                 waited = time.monotonic() - start
@@ -189,8 +206,8 @@ class Watchdog:
                     last = text
                     if fatal:
                         raise _CLASSES.get(cls, CollectiveError)(text)
-                    if text not in self._warned:
-                        self._warned.add(text)
+                    if not noted:  # once per wait
+                        noted = True
                         sys.stderr.write(f"shardlib rank {self.rank}: a collective has waited {waited:.0f} s:\n{text}\n")
                     next_check = waited + watchdog_seconds()
                 if waited >= limit:
@@ -255,8 +272,8 @@ class Watchdog:
                "records": tr.records(_RECORDS), "waiting": None, "waited_s": 0.0}
         if waiting is not None and waiting[0] is not None:
             out.update(status="waiting", waiting=waiting[0], waited_s=time.monotonic() - waiting[1])
-        elif tr.status == "returned":
-            out["status"] = "returned"
+        elif tr.status == "returned" or tr.status.startswith("raised"):
+            out["status"], out["how"] = "returned", tr.status
         elif in_dist or waiting is not None:
             out["status"] = "untraced"
         else:
@@ -330,6 +347,8 @@ class Watchdog:
                 key = f"{_DIAG}/{gen}/{r}"
                 if r not in states and store.check([key]):
                     states[r] = json.loads(store.get(key))
+                elif r not in states and store.check([f"{_RANK}/{r}/exit"]):  # exited: it will not answer
+                    states[r] = self._probe(r)
             if len(states) < self.world:
                 time.sleep(0.05)
         for r in range(self.world):
