@@ -156,3 +156,16 @@ def test_a_rank_that_issued_the_collective_and_finished_is_not_waited_for():
     assert not analyze(states, 2)[0]
     states[0] = _state(0, "returned", recs[:1])  # rank 0 returned without issuing it: stuck
     assert analyze(states, 2)[0]
+
+
+def test_crossed_point_to_point_waits():
+    send = _rec(0, kind="send", group="pp[0,1]", note="activation of stage 0 microbatch 0 of evaluate to rank 1")
+    recv = _rec(0, kind="recv", group="pp[0,1]", note="activation of stage 0 microbatch 0 of a training step from rank 0")
+    states = {0: _state(0, "waiting", [send], send), 1: _state(1, "waiting", [recv], recv)}
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "CollectiveMismatchError" and "Point to point: rank 1 waits to receive" in text
+    states[1]["waited_s"] = 0.2  # caught for a moment in a receive that is on its way: not crossed
+    assert not analyze(states, 2)[0]
+    same = dict(send, note="activation of stage 0 microbatch 0 of a training step to rank 1")
+    states = {0: _state(0, "waiting", [same], same), 1: _state(1, "waiting", [recv], recv)}
+    assert not analyze(states, 2)[0]  # a big transfer in both waits: slow, not stuck

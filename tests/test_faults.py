@@ -301,3 +301,33 @@ def test_nccl_branch_forced_on_gloo():
         assert gathered == [1.0, 2.0, 2.0, 3.0]
         assert shard == [1.5 * x for x in ((0.0, 1.0) if r == 0 else (2.0, 3.0))]  # mean of x and 2x
         assert total == [3.0, 3.0] and last == "all_reduce"
+
+
+def _pipeline_evaluate_on_stage0():
+    import os
+
+    import torch
+
+    import shardlib
+
+    os.environ["SHARDLIB_WATCHDOG"] = "2"
+    mesh = shardlib.init_mesh({"pp": 2}, timeout=8)  # groups of their own with an 8 s backend timeout
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    smodel = shardlib.shard(model, mesh, microbatches=2)
+    x, y = torch.ones(4, 4), torch.zeros(4, 4)
+    crit = torch.nn.functional.mse_loss
+    if mesh.rank == 0:
+        smodel.evaluate(x, criterion=crit, labels=(y,))  # stage 0 alone: stage 1 is in its training step
+    losses, _ = smodel.forward_backward(x, criterion=crit, labels=(y,))
+    return "done"
+
+
+def test_pipeline_evaluate_on_one_stage_never_pairs_with_training():
+    """Evaluation and training schedules use other point-to-point tags: stage 1's training step
+    used to take stage 0's evaluation activations as its own and go on silently; now the stages
+    wait, and the crossed point-to-point waits are named within the watchdog's seconds."""
+    err = _run_failing(2, _pipeline_evaluate_on_stage0)
+    assert err.exc_type == "CollectiveMismatchError", err.errors
+    assert ("Point to point: rank 1 waits to receive the activation of stage 0 microbatch 0 of a training step from "
+            "rank 0") in err.message and "send the activation of stage 0 microbatch 0 of evaluate" in err.message

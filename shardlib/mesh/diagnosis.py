@@ -89,6 +89,27 @@ def _issued(state: dict, rec: dict) -> bool:
                for r in records)
 
 
+def _crossed_p2p(states: dict[int, dict]) -> list[str]:
+    """Lines for point-to-point waits that can never pair: a rank waits to receive X from a peer
+    that waits to send it something else, or to receive from it too."""
+    out = []
+    for s in states.values():
+        rec = s.get("waiting") if s.get("status") == "waiting" else None
+        if not rec or rec["kind"] != "recv" or " from rank " not in rec["note"]:
+            continue
+        what, _, peer = rec["note"].rpartition(" from rank ")
+        other = states.get(int(peer)) if peer.isdigit() else None
+        theirs = other.get("waiting") if other and other.get("status") == "waiting" else None
+        if not theirs or theirs["kind"] not in ("send", "recv") or min(s.get("waited_s", 0), other.get("waited_s", 0)) < 1.5:
+            continue  # a wait of a moment is a transfer on its way (1F1B crosses receives for a moment)
+        their_what = theirs["note"].rpartition(" to rank " if theirs["kind"] == "send" else " from rank ")[0]
+        if theirs["kind"] == "recv" or their_what != what:
+            out.append(f"Point to point: rank {s['rank']} waits to receive the {what} from rank {peer} "
+                       f"({rec['caller'] or rec['site']}), which waits to {theirs['kind']} the {their_what} "
+                       f"({theirs['caller'] or theirs['site']}).")
+    return out
+
+
 def describe_difference(states: dict[int, dict], diff=None) -> list[str]:
     """The lines that show :func:`first_difference` (computed if not given); ``[]`` if none."""
     diff = first_difference(states) if diff is None else diff
@@ -158,11 +179,12 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     done = [s for s in ranks if s["status"] == "waiting" and any(
         not _issued(finished[m], s["waiting"]) for m in _members(s["waiting"]["group"]) if m in finished)]
     diff = first_difference(states)
+    crossed = _crossed_p2p(states)
     untraced = not busy and diff is None and any(s["status"] == "untraced" for s in ranks) and any(
         s["status"] == "waiting" for s in ranks)  # one rank in a call of its own, the others in ours
     # stuck: a rank is lost; a rank waits for one that finished; or nobody is on the way and the
     # collectives differ. Not stuck: a rank is still busy, or every rank waits in the same collective.
-    fatal = bool(hard_lost) or bool(done) or (not busy and (diff is not None or untraced))
+    fatal = bool(hard_lost) or bool(done) or (not busy and (diff is not None or untraced or bool(crossed)))
     lines = []
     if hard_lost:
         head = ", ".join(f"rank {s['rank']}" for s in hard_lost)
@@ -175,9 +197,10 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
                      "answering); not an error until SHARDLIB_TIMEOUT." if busy else
                      "a collective is taking long: every rank waits in the same one.")
         cls = "CollectiveTimeoutError"
-    elif diff is not None or done or untraced:
+    elif diff is not None or done or untraced or crossed:
         lines.append("the ranks stopped issuing the same collectives (every rank of a group must issue the same "
                      "collectives in the same order).")
+        lines.extend(crossed)
         cls = "CollectiveMismatchError"
     else:
         lines.append("a collective is taking long." if not busy else "a collective waits for a rank that is still busy.")

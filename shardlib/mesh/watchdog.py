@@ -193,7 +193,8 @@ class Watchdog:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
                     if not (box is None and _is_slice_timeout(exc) and not pending[0].is_completed()):
-                        if "timed out" in str(exc).lower() and time.monotonic() - start >= 0.9 * limit:
+                        text = str(exc).lower()
+                        if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
                             raise CollectiveTimeoutError(  # the backend's own timeout (the same SHARDLIB_TIMEOUT)
                                 f"a collective waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
                                 f"{self.rank}" + (f":\n{last}" if last else "")) from exc

@@ -172,10 +172,16 @@ class PipelineRunner:
         self.group = mesh.group(axis)
         self.tied = tied  # [(name, param or None, numel, dtype)] in a fixed order on every rank
         self.timeline: list[tuple[str, float, float]] = []
+        self.runs = 0  # schedules run (forward_backward and evaluate), the same count on every stage
+        self.training = True
 
     # -- point to point ----------------------------------------------------------------------
     def _tag(self, stage: int, mb: int, grad: bool) -> int:
-        return ((stage * self.m + mb) * 2 + int(grad)) * 2
+        # the schedule's number (mod 256) and kind are in the tag: a stage that runs a schedule the
+        # others do not (evaluate on one stage only) waits, diagnosed, instead of taking another
+        # schedule's activations as its own
+        run = (self.runs % 256) * 2 + int(self.training)  # an evaluate never pairs with a training step
+        return ((run * self.n_stages * self.m + stage * self.m + mb) * 2 + int(grad)) * 2
 
     def _send(self, t: torch.Tensor, stage: int, mb: int, grad: bool, pending: list) -> None:
         dst = self.ranks[(stage + (-1 if grad else 1)) % self.p]
@@ -194,7 +200,8 @@ class PipelineRunner:
         what = "gradient" if grad else "activation"
         trace = self.mesh.trace
         return trace.record(kind, trace.label(self.mesh, (self.axis,), 0), t.shape, t.dtype,
-                            f"{what} of stage {stage} microbatch {mb} {'to' if kind == 'send' else 'from'} rank {peer}")
+                            f"{what} of stage {stage} microbatch {mb} of {'a training step' if self.training else 'evaluate'} "
+                            f"{'to' if kind == 'send' else 'from'} rank {peer}")
 
     def _recv(self, stage: int, mb: int, grad: bool) -> torch.Tensor:
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
@@ -226,6 +233,8 @@ class PipelineRunner:
                     f"{tuple(x.shape)}) over {axis!r} (size {n}), and every stage passes on its shard, but the length "
                     f"does not divide by {n} (mesh {self.mesh.shape}). Fix: use a sequence length divisible by {n}"
                 )
+        self.runs += 1
+        self.training = backward
         last = self.n_stages - 1
         if criterion is None and any(a.stage == last for a in self.actions):
             raise ShardingError("forward_backward: the last stage needs criterion=, a function (output, *labels) -> loss")
