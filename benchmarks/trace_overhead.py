@@ -39,7 +39,7 @@ class _Switch:
         from shardlib.mesh import collectives
 
         self.c = collectives
-        self.begin, self.wait = collectives._begin, collectives.wait_works
+        self.begin, self.wait = collectives.begin, collectives.wait_works
         self.record_s, self.records, self.step_s, self.steps, self.each = 0.0, 0, 0.0, 0, []
 
     def plain(self):
@@ -54,10 +54,10 @@ class _Switch:
 
         class _Ctx:
             def __enter__(self_):
-                c._begin, c.wait_works = begin, wait
+                c.begin, c.wait_works = begin, wait
 
             def __exit__(self_, *exc):
-                c._begin, c.wait_works = switch.begin, switch.wait
+                c.begin, c.wait_works = switch.begin, switch.wait
 
         return _Ctx()
 
@@ -81,10 +81,10 @@ class _Switch:
 
         class _Ctx:
             def __enter__(self_):
-                c._begin = begin
+                c.begin = begin
 
             def __exit__(self_, *exc):
-                c._begin = real
+                c.begin = real
 
         return _Ctx()
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_dim as _check_dim, check_tensor as _check_tensor, is_int as _is_int
+from .guard import begin, post, wait_works
 from .mesh import Axis, Mesh, current_mesh
 
 __all__ = [
@@ -77,137 +78,11 @@ class Handle:
         self.done = True
 
 
-def wait_works(mesh: Mesh, works, rec, p2p: bool) -> None:
-    """Wait for ``works`` under the mesh timeout; on gloo through the watchdog (a stall or a
-    lost peer raises a :class:`~shardlib.errors.CollectiveError` naming ranks and collectives)."""
-    if mesh.backend != "gloo":
-        for w in works:  # NCCL: the current stream waits for the collective, the host goes on (a timeout
-            w.wait()     # argument would block the host); the group's timeout bounds it in the NCCL watchdog
-    elif mesh.watchdog is not None:
-        mesh.watchdog.wait(works, rec, mesh.timeout, p2p)
-    else:
-        for w in works:
-            w.wait(mesh.timeout)
-
-
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ppermute", "send", "recv")
-_DTYPE_IDS: dict = {}
-
-
-def _begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channel: int = 0, note: str = "",
-           extra: int = 0, async_op: bool = False):
-    """Record a collective in the trace (always) and, with ``SHARDLIB_CHECK_COLLECTIVES=1``,
-    compare kind, shape and dtype across the group before it is issued.
-
-    Returns ``(record, verify)``. The check completes here, before the collective is posted
-    (so mismatched sizes raise instead of a native abort), except for an async collective on a
-    channel > 0: channels other than 0 are ordered independently of the rest (ZeRO reduces
-    gradients on channel 1 in the order they become ready, which may follow the data), so
-    blocking there could deadlock a correct program; its check is posted in order on the same
-    group and ``verify`` compares when the collective is waited on (else ``verify`` is None)."""
-    trace = mesh.trace
-    rec = trace.record(kind, trace.label(mesh, names, channel), t.shape, t.dtype, note)
-    verify = None
-    if trace.check and kind not in ("send", "recv"):
-        verify = _check(mesh, names, channel, kind, t, extra, rec)
-        if not async_op or channel == 0:
-            verify()
-            verify = None
-    return rec, verify
-
-
-def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: int, rec: dict):
-    """Debug mode: post an all-gather of a fingerprint (kind, dtype, shape, index on the group,
-    ``extra``) over the group; the returned function waits for it and raises
-    :class:`~shardlib.errors.CollectiveMismatchError` on every rank of the group if they differ.
-    Costs one small collective per collective."""
-    n = mesh.size(names)
-    if t.dim() > 8:
-        return lambda: None
-    dtype_id = _DTYPE_IDS.setdefault(str(t.dtype), len(_DTYPE_IDS) + 1)
-    fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
-    mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
-    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
-    work = post(mesh, dist.all_gather_into_tensor, out, mine, group=mesh.group(names, channel), async_op=True)
-
-    def verify() -> None:
-        wait_works(mesh, [work], rec, False)
-        rows = out.view(n, -1).tolist()
-        if any(r != rows[0] for r in rows):
-            _mismatch(mesh, names, rows, rec)
-
-    return verify
-
-
-def _mismatch(mesh: Mesh, names, rows: list, rec: dict) -> None:
-    from ..errors import CollectiveMismatchError
-    from .diagnosis import ordinal
-
-    ranks = mesh.axis_ranks(names)
-    dtypes = {v: k for k, v in _DTYPE_IDS.items()}
-
-    def say(row):
-        kind, extra = _KINDS[row[0]], row[12]
-        how = {"all_reduce": f", op {list(_OPS)[extra]!r}" if 0 <= extra < len(_OPS) else "",
-               "reduce_scatter": f", op {list(_OPS)[extra]!r}" if 0 <= extra < len(_OPS) else "",
-               "broadcast": f", from index {extra}", "all_to_all": f", split dim {extra // 16}, concat dim {extra % 16}"}
-        return (f"{kind}(shape {tuple(row[3:3 + row[2]])}, {dtypes.get(row[1], '?').replace('torch.', '')}"
-                + how.get(kind, "") + f"), its {ordinal(row[11] + 1)} on the group")
-
-    detail = "; ".join(f"rank {r}: {say(row)}" for r, row in zip(ranks, rows))
-    sites = _peer_sites(mesh, rec, ranks)
-    raise CollectiveMismatchError(
-        f"collective mismatch on axis {'+'.join(names)!r} (ranks {ranks}, mesh {mesh.shape}): the ranks issued "
-        f"different collectives: {detail}. Call sites: {sites}. Every rank of a group must issue the same "
-        "collective (kind, shape, dtype) in the same order; the shapes and kinds above show which rank took "
-        "another branch (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
-
-
-def _peer_sites(mesh: Mesh, rec: dict, ranks: list[int]) -> str:
-    """Each rank's call site of this collective, exchanged through the store (best effort, 5 s)."""
-    import json
-    import time
-
-    dog = mesh.watchdog
-    if dog is None:
-        return f"rank {mesh.rank}: {_where(rec)}"
-    key = f"shardlib/check/{rec['group']}/{rec['gseq']}"
-    dog.store.set(f"{key}/{mesh.rank}", json.dumps(_where(rec)))
-    got, deadline = {}, time.monotonic() + 5.0
-    while len(got) < len(ranks) and time.monotonic() < deadline:
-        for r in ranks:
-            if r not in got and dog.store.check([f"{key}/{r}"]):
-                got[r] = json.loads(dog.store.get(f"{key}/{r}"))
-        time.sleep(0.02)
-    return "; ".join(f"rank {r}: " + (got[r] if r in got else "(no answer)") for r in ranks)
-
-
-def _where(rec: dict) -> str:
-    """``zero.py:140 from train.py:88 in step`` (the caller alone when it is the site)."""
-    if rec["caller"] and not rec["caller"].startswith(rec["site"] + " "):
-        return f"{rec['site']} from {rec['caller']}"
-    return rec["caller"] or rec["site"]
-
-
 def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group, mesh: Mesh) -> list:
     """Post point-to-point sends and receives ``[(global rank, tensor)]`` on ``group`` at once."""
     works = [post(mesh, dist.isend, t, peer, group=group) for peer, t in sends]
     works += [post(mesh, dist.irecv, t, peer, group=group) for peer, t in recvs]
     return works
-
-
-def post(mesh: Mesh, fn, *args, **kwargs):
-    """Issue the ``torch.distributed`` call ``fn(*args, **kwargs)``; on gloo, a failure at issue
-    (a peer gone: ``Connection closed by peer``) is diagnosed as a failed wait is, and raised as
-    a :class:`~shardlib.errors.CollectiveError` naming the rank that is gone."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as exc:
-        from ..errors import CollectiveError
-
-        if mesh.watchdog is None or mesh.backend != "gloo" or isinstance(exc, CollectiveError):
-            raise
-        mesh.watchdog.fail(exc)
 
 
 def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, int]]:
@@ -231,7 +106,7 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
         return _done()
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
-    rec, verify = _begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
+    rec, verify = begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
     work = post(mesh, dist.all_reduce, t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
     return _finish([work], then, mesh, async_op, rec, verify=verify)
@@ -260,7 +135,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
             slot.copy_(shard.view(-1))
         return _done()
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
-    rec, verify = _begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
+    rec, verify = begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
     group = mesh.group(names)
     if mesh.backend == "gloo":
         flat, src = out.view(-1), shard.view(-1)
@@ -291,7 +166,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
             shard.view(-1).copy_(slot)
         return _done()
     mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
-    rec, verify = _begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op),
+    rec, verify = begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op),
                          async_op=async_op)
     group = mesh.group(names, channel)
     flat, out = full.view(-1), shard.view(-1)
@@ -330,7 +205,7 @@ def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -
     if n == 1:
         return
     mesh.comm.record(_key(names), "broadcast", t.numel() * t.element_size(), n)
-    rec, _ = _begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
+    rec, _ = begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
     src = mesh.axis_ranks(names)[src_index]
     wait_works(mesh, [post(mesh, dist.broadcast, t, src=src, group=mesh.group(names), async_op=True)], rec, False)
 
@@ -437,7 +312,7 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
     chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
-    rec, _ = _begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
+    rec, _ = begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
     wait_works(mesh, [post(mesh, dist.all_to_all, outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
     return torch.cat(outs, dim=concat_dim)
 
@@ -461,7 +336,7 @@ def _ppermute(x, mesh, names, perm):
     out = torch.zeros_like(x)
     ops = []
     x = x.contiguous()
-    rec, _ = _begin(mesh, names, "ppermute", x, 0, "")
+    rec, _ = begin(mesh, names, "ppermute", x, 0, "")
     for src, dst in perm:
         if src == me and dst == me:
             out.copy_(x)

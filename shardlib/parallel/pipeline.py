@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
-from ..mesh.collectives import post, raw_all_reduce, wait_works
+from ..mesh.collectives import raw_all_reduce
+from ..mesh.guard import post, wait_works
 from ..random import MicrobatchDropout
 from .schedules import build_schedule
 
