@@ -37,8 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import (ArgumentParser, dropout_rate, main_guard, mesh_shape, nonnegative_float, nonnegative_int,
-                          positive_int)
+from shardlib.cli import (ArgumentParser, data_ranks, dropout_rate, main_guard, mesh_of, mesh_shape, nonnegative_float,
+                          nonnegative_int, positive_int)
 from shardlib.data import ByteCorpus, open_corpus
 from shardlib.models import GPT, GPTConfig, gpt_preset
 from shardlib.random import mesh_independent_dropout
@@ -101,21 +101,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.n_embd % args.n_head:
         p.error(f"--n-embd {args.n_embd} must be divisible by --n-head {args.n_head} (head size n_embd / n_head)")
     shape = mesh_of(args)
-    data = [a for a in shape if a in ("dp", "fsdp")]  # the plan's default data axes (this script passes no data_axes)
-    ranks = math.prod(shape[a] for a in data)
-    if args.batch_size % ranks:
-        p.error(f"--batch-size {args.batch_size} must be divisible by the data axes {data} of the mesh {shape} "
-                f"({ranks} ranks): every rank trains on an equal share of the global batch (DDP's mean)")
+    ranks = data_ranks(p, args.batch_size, shape)  # this script passes no data_axes: the plan's default ones
     if shape.get("pp", 1) > 1 and (args.batch_size // ranks) % args.microbatches:
         p.error(f"--microbatches {args.microbatches} must divide the batch of each data rank: --batch-size "
                 f"{args.batch_size} over {ranks} data rank(s) of the mesh {shape} is {args.batch_size // ranks} rows")
     return args
-
-
-def mesh_of(args) -> dict[str, int]:
-    """The mesh shape: ``--mesh`` (parsed by :func:`shardlib.cli.mesh_shape`), else
-    ``{"dp": WORLD_SIZE or 1}``."""
-    return dict(args.mesh) if args.mesh else {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 def model_config(args) -> GPTConfig:

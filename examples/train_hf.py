@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 import torch
@@ -22,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 import shardlib
-from shardlib.cli import ArgumentParser, main_guard, mesh_shape, nonnegative_float, positive_int
+from shardlib.cli import ArgumentParser, data_ranks, main_guard, mesh_of, mesh_shape, nonnegative_float, positive_int
 from shardlib.data import open_corpus
 from shardlib.models import gpt2_preset, llama_preset
 
@@ -51,18 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape = mesh_of(args)
     if "pp" in shape and shape["pp"] > 1:
         p.error(f"--mesh {shape}: this script has no pipeline path for Hugging Face models; use dp and tp axes")
-    data = [a for a in shape if a in ("dp", "fsdp")]  # the plan's default data axes (this script passes no data_axes)
-    ranks = math.prod(shape[a] for a in data)
-    if args.batch_size % ranks:
-        p.error(f"--batch-size {args.batch_size} must be divisible by the data axes {data} of the mesh {shape} "
-                f"({ranks} ranks): every rank trains on an equal share of the global batch (DDP's mean)")
+    data_ranks(p, args.batch_size, shape)  # this script passes no data_axes: the plan's default ones
     return args
-
-
-def mesh_of(args) -> dict[str, int]:
-    """The mesh shape: ``--mesh`` (parsed by :func:`shardlib.cli.mesh_shape`), else
-    ``{"dp": WORLD_SIZE or 1}``."""
-    return dict(args.mesh) if args.mesh else {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
 
 
 def build(args):

@@ -147,6 +147,23 @@ def mesh_shape(text: str) -> dict[str, int]:
     return shape
 
 
+def mesh_of(args) -> dict[str, int]:
+    """An example script's mesh shape: its ``--mesh`` (parsed by :func:`mesh_shape`), else
+    ``{"dp": WORLD_SIZE or 1}``."""
+    return dict(args.mesh) if args.mesh else {"dp": int(os.environ.get("WORLD_SIZE", "1"))}
+
+
+def data_ranks(parser: argparse.ArgumentParser, batch_size: int, shape: dict[str, int]) -> int:
+    """The ranks a global ``--batch-size`` is split over (the plan's default data axes, ``dp``
+    and ``fsdp``), refused through ``parser.error`` (one usage line) unless they divide it."""
+    data = [a for a in shape if a in ("dp", "fsdp")]
+    ranks = math.prod(shape[a] for a in data)
+    if batch_size % ranks:
+        parser.error(f"--batch-size {batch_size} must be divisible by the data axes {data} of the mesh {shape} "
+                     f"({ranks} ranks): every rank trains on an equal share of the global batch (DDP's mean)")
+    return ranks
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose ``--help`` shows the defaults and whose usage errors
     raise ``SystemExit("prog: error: ... (see --help)")``, one line that :func:`main_guard`
