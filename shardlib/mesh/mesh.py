@@ -29,19 +29,27 @@ _CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("shardl
 _DEFAULT: list["Mesh"] = []  # the mesh init_mesh made last; read only by current_mesh()
 
 
-def default_timeout() -> datetime.timedelta:
-    """Timeout of every collective, from ``SHARDLIB_TIMEOUT`` (seconds, default 600).
+def env_seconds(name: str, default: str) -> float:
+    """The environment variable ``name`` as a positive, finite number of seconds.
 
     Raises:
-        ShardingError: the variable is not a positive, finite number of seconds (named)."""
-    text = os.environ.get("SHARDLIB_TIMEOUT", "600")
+        ShardingError: it is not one (naming the variable, its value and the default)."""
+    text = os.environ.get(name, default)
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise ShardingError(f"SHARDLIB_TIMEOUT={text!r}: it must be a positive number of seconds (default 600)")
-    return datetime.timedelta(seconds=value)
+        raise ShardingError(f"{name}={text!r}: it must be a positive number of seconds (default {default})")
+    return value
+
+
+def default_timeout() -> datetime.timedelta:
+    """Timeout of every collective, from ``SHARDLIB_TIMEOUT`` (seconds, default 600).
+
+    Raises:
+        ShardingError: the variable is not a positive, finite number of seconds (named)."""
+    return datetime.timedelta(seconds=env_seconds("SHARDLIB_TIMEOUT", "600"))
 
 
 def _timeout(timeout, where: str) -> datetime.timedelta:

@@ -36,6 +36,7 @@ import time
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError
 from .diagnosis import analyze
+from .mesh import env_seconds
 from .trace import Trace, is_library, read_trace_file
 
 __all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
@@ -48,28 +49,13 @@ _RECORDS = 128
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _seconds(name: str, default: str) -> float:
-    text = os.environ.get(name, default)
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name}={text!r}: it must be a positive number of seconds (default {default})")
-    return value
-
-
 def watchdog_seconds() -> float:
     """Seconds a collective may wait before the ranks are asked for their states
-    (``SHARDLIB_WATCHDOG``, default 30).
+    (``SHARDLIB_WATCHDOG``, default 30); read when a mesh is made.
 
     Raises:
-        ValueError: the variable is not a positive number, naming it."""
-    return _seconds("SHARDLIB_WATCHDOG", "30")
-
-
-def _answer_seconds() -> float:
-    return _seconds("SHARDLIB_WATCHDOG_ANSWER", "10")
+        ShardingError: the variable is not a positive number, naming it."""
+    return env_seconds("SHARDLIB_WATCHDOG", "30")
 
 
 def _is_slice_timeout(exc: BaseException) -> bool:
@@ -141,6 +127,7 @@ class Watchdog:
     def __init__(self, trace: Trace, store, rank: int, world: int):
         self.trace, self.store, self.rank, self.world = trace, store, rank, world
         self.host = socket.gethostname()
+        self.read_settings()
         self.verdict: tuple[int, str, str] | None = None
         self.handled = 0
         self._waiter: _Waiter | None = None
@@ -165,7 +152,7 @@ class Watchdog:
             RankFailureError: a rank is gone or frozen.
             CollectiveTimeoutError: ``timeout`` passed while a rank was busy elsewhere.
         """
-        next_check = watchdog_seconds()  # the variables are checked before anything is posted to wait for
+        next_check = self.seconds
         start = time.monotonic()
         limit = timeout.total_seconds()
         box = None
@@ -210,7 +197,7 @@ class Watchdog:
                     if not noted:  # once per wait
                         noted = True
                         sys.stderr.write(f"shardlib rank {self.rank}: a collective has waited {waited:.0f} s:\n{text}\n")
-                    next_check = waited + watchdog_seconds()
+                    next_check = waited + self.seconds
                 if waited >= limit:
                     raise CollectiveTimeoutError(
                         f"a collective waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank {self.rank}"
@@ -250,6 +237,12 @@ class Watchdog:
         if work.error is not None:
             raise work.error
         return work.result
+
+    def read_settings(self) -> None:
+        """Read ``SHARDLIB_WATCHDOG`` and ``SHARDLIB_WATCHDOG_ANSWER`` (every mesh made calls
+        this, so a value set before ``init_mesh`` applies; the waits read no environment)."""
+        self.seconds = watchdog_seconds()
+        self.answer_s = env_seconds("SHARDLIB_WATCHDOG_ANSWER", "10")
 
     def _raise_verdict(self) -> None:
         v = self.verdict
@@ -342,7 +335,7 @@ class Watchdog:
         mine = self.state()
         store.set(f"{_DIAG}/{gen}/{self.rank}", json.dumps(mine))
         states = {self.rank: mine}
-        deadline = time.monotonic() + (_answer_seconds() / 2 if lost else _answer_seconds())
+        deadline = time.monotonic() + (self.answer_s / 2 if lost else self.answer_s)
         while len(states) < self.world and time.monotonic() < deadline:
             for r in range(self.world):
                 key = f"{_DIAG}/{gen}/{r}"
@@ -420,4 +413,6 @@ def process_watchdog(mesh) -> tuple[Trace, Watchdog | None]:
 
             dog = Watchdog(trace, _get_default_store(), rank, world)
         got = _PROCESS[key] = (trace, dog)
+    elif got[1] is not None:
+        got[1].read_settings()
     return got
