@@ -145,21 +145,22 @@ def check_save_target(path: str, overwrite: bool) -> None:
     """
     caller = f"checkpoint.save({path!r})"
     check_parent(path, caller)
-    kind, what = _what(path)
+    found = {p: _what(p) for p in (path, path + PARTIAL, path + OLD)}
+    kind, what = found[path]
     if kind == "checkpoint" and not overwrite:
         raise CheckpointError(f"{caller}: {path!r} already holds a finished shardlib checkpoint; save() replaces one "
                               f"only when asked. Fix: pass overwrite=True to replace it, or choose another path")
     if kind not in ("none", "checkpoint"):
         raise CheckpointError(f"{caller}: {path!r} is {what}; save() writes a checkpoint folder there and never "
                               f"replaces what it did not write. Fix: choose another path, or move it away")
-    for folder in (path, path + PARTIAL, path + OLD):
-        foreign = _foreign_entries(folder) if _what(folder)[0] in ("checkpoint", "unfinished") else []
+    for folder, (kind, _) in found.items():
+        foreign = _foreign_entries(folder) if kind in ("checkpoint", "unfinished") else []
         if foreign:  # overwrite replaces a checkpoint, not the user's files put inside it
             raise CheckpointError(
                 f"{caller}: the checkpoint {folder!r} also holds {', '.join(foreign[:4])}"
                 f"{', ...' if len(foreign) > 4 else ''}, which save() did not write; replacing the checkpoint would "
                 f"delete them. Fix: move them out of the checkpoint folder, or choose another path")
-    kind, what = _what(path + PARTIAL)
+    kind, what = found[path + PARTIAL]
     if kind == "checkpoint" and not overwrite:
         raise CheckpointError(
             f"{caller}: {path + PARTIAL!r} holds a finished checkpoint that was not renamed (a save stopped while "
@@ -168,7 +169,7 @@ def check_save_target(path: str, overwrite: bool) -> None:
         raise CheckpointError(
             f"{caller}: {path + PARTIAL!r} is {what}; save() writes its unfinished saves there and removes only "
             f"folders it made (they hold {OWNER}). Fix: move it away, or choose another path")
-    kind, what = _what(path + OLD)
+    kind, what = found[path + OLD]
     if kind == "checkpoint" and not overwrite:
         raise CheckpointError(
             f"{caller}: {path + OLD!r} holds the checkpoint an earlier save was replacing (it stopped while renaming). "
