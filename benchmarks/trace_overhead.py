@@ -36,14 +36,14 @@ class _Switch:
     """Take the trace and the watchdog waits out of ``shardlib.mesh.collectives`` while on."""
 
     def __init__(self):
-        from shardlib.mesh import collectives
+        from shardlib.mesh import collectives, guard
 
-        self.c = collectives
-        self.begin, self.wait = collectives.begin, collectives.wait_works
+        self.c, self.g = collectives, guard
+        self.begin, self.wait = collectives.begin, guard.wait_works
         self.record_s, self.records, self.step_s, self.steps, self.each = 0.0, 0, 0.0, 0, []
 
     def plain(self):
-        c, switch = self.c, self
+        c, g, switch = self.c, self.g, self
 
         def begin(*args, **kwargs):
             return None, None
@@ -54,10 +54,10 @@ class _Switch:
 
         class _Ctx:
             def __enter__(self_):
-                c.begin, c.wait_works = begin, wait
+                c.begin, g.wait_works = begin, wait
 
             def __exit__(self_, *exc):
-                c.begin, c.wait_works = switch.begin, switch.wait
+                c.begin, g.wait_works = switch.begin, switch.wait
 
         return _Ctx()
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_dim as _check_dim, check_tensor as _check_tensor, is_int as _is_int
-from .guard import begin, post, wait_works
+from .guard import Handle, begin, done_handle, finish, post, wait_works
 from .mesh import Axis, Mesh, current_mesh
 
 __all__ = [
@@ -55,29 +55,6 @@ def _key(names: tuple[str, ...]) -> str:
     return "+".join(names)
 
 
-class Handle:
-    """An in-flight collective: ``wait()`` blocks (bounded, diagnosed: :mod:`.watchdog`) and runs
-    the follow-up."""
-
-    __slots__ = ("_works", "_then", "_mesh", "_rec", "_p2p", "_verify", "done")
-
-    def __init__(self, works=(), then=None, mesh=None, rec=None, p2p=False, verify=None):
-        self._works, self._then, self._mesh, self._rec, self._p2p, self.done = works, then, mesh, rec, p2p, False
-        self._verify = verify
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        if self._verify is not None:  # the collective check of an async collective, posted before it
-            self._verify()
-            self._verify = None
-        if self._works:
-            wait_works(self._mesh, self._works, self._rec, self._p2p)
-        if self._then is not None:
-            self._then()
-        self.done = True
-
-
 def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group, mesh: Mesh) -> list:
     """Post point-to-point sends and receives ``[(global rank, tensor)]`` on ``group`` at once."""
     works = [post(mesh, dist.isend, t, peer, group=group) for peer, t in sends]
@@ -90,32 +67,19 @@ def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, in
     return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
 
 
-def _finish(works, then, mesh: Mesh, async_op: bool, rec=None, p2p: bool = False, verify=None) -> Handle:
-    handle = Handle(works, then, mesh, rec, p2p, verify)
-    if not async_op:
-        handle.wait()
-    return handle
-
-
 def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
                    channel: int = 0, note: str = "") -> Handle:
     """In-place all-reduce of ``t`` over ``axis``; counted as ``all_reduce``."""
     names = _names(mesh, axis)
     n = mesh.size(names)
     if n == 1:
-        return _done()
+        return done_handle()
     if record:
         mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
     rec, verify = begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
     work = post(mesh, dist.all_reduce, t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
     then = (lambda: t.div_(n)) if op == "avg" else None
-    return _finish([work], then, mesh, async_op, rec, verify=verify)
-
-
-def _done() -> Handle:
-    h = Handle()
-    h.done = True
-    return h
+    return finish([work], then, mesh, async_op, rec, verify=verify)
 
 
 def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False,
@@ -133,7 +97,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     if n == 1:
         if slot.data_ptr() != shard.data_ptr():
             slot.copy_(shard.view(-1))
-        return _done()
+        return done_handle()
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
     rec, verify = begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
     group = mesh.group(names)
@@ -143,9 +107,9 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
         if src.data_ptr() != slot.data_ptr():
             slot.copy_(src)
         works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group, mesh)
-        return _finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
+        return finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
     work = post(mesh, dist.all_gather_into_tensor, out.view(-1), shard.view(-1), group=group, async_op=True)
-    return _finish([work], None, mesh, async_op, rec, verify=verify)
+    return finish([work], None, mesh, async_op, rec, verify=verify)
 
 
 def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
@@ -164,7 +128,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     if n == 1:
         if slot.data_ptr() != shard.data_ptr():
             shard.view(-1).copy_(slot)
-        return _done()
+        return done_handle()
     mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
     rec, verify = begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op),
                          async_op=async_op)
@@ -186,7 +150,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
             if op == "avg":
                 out.div_(n)
 
-        return _finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
+        return finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
     work = post(mesh, dist.reduce_scatter_tensor, slot, flat, group=group, async_op=True)
 
     def then_nccl():
@@ -195,7 +159,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
         if slot.data_ptr() != out.data_ptr():
             out.copy_(slot)
 
-    return _finish([work], then_nccl, mesh, async_op, rec, verify=verify)
+    return finish([work], then_nccl, mesh, async_op, rec, verify=verify)
 
 
 def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -> None:

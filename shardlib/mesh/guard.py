@@ -5,7 +5,8 @@ cross-rank check, the post and the bounded wait (:mod:`.trace`, :mod:`.watchdog`
 ``SHARDLIB_CHECK_COLLECTIVES=1``, compares kind, shape and dtype across the group first;
 ``post`` issues a ``torch.distributed`` call and turns a failure at issue (a peer gone) into a
 diagnosed :class:`~shardlib.errors.CollectiveError`; ``wait_works`` waits on gloo through the
-watchdog and, on NCCL, only orders the stream.
+watchdog and, on NCCL, only orders the stream; a :class:`Handle` is an in-flight collective
+whose ``wait()`` does that and runs the follow-up.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["begin", "post", "wait_works"]
+__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle"]
 
 _OP_NAMES = ("sum", "max", "min", "avg")  # the order of collectives._OPS: an op's index is its id in the check
 
@@ -144,3 +145,41 @@ def post(mesh: Mesh, fn, *args, **kwargs):
         if mesh.watchdog is None or mesh.backend != "gloo" or isinstance(exc, CollectiveError):
             raise
         mesh.watchdog.fail(exc)
+
+
+class Handle:
+    """An in-flight collective: ``wait()`` blocks (bounded, diagnosed: :mod:`.watchdog`) and runs
+    the follow-up."""
+
+    __slots__ = ("_works", "_then", "_mesh", "_rec", "_p2p", "_verify", "done")
+
+    def __init__(self, works=(), then=None, mesh=None, rec=None, p2p=False, verify=None):
+        self._works, self._then, self._mesh, self._rec, self._p2p, self.done = works, then, mesh, rec, p2p, False
+        self._verify = verify
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._verify is not None:  # the collective check of an async collective, posted before it
+            self._verify()
+            self._verify = None
+        if self._works:
+            wait_works(self._mesh, self._works, self._rec, self._p2p)
+        if self._then is not None:
+            self._then()
+        self.done = True
+
+
+def finish(works, then, mesh: Mesh, async_op: bool, rec=None, p2p: bool = False, verify=None) -> Handle:
+    """A :class:`Handle` of ``works``, waited on here unless ``async_op``."""
+    handle = Handle(works, then, mesh, rec, p2p, verify)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def done_handle() -> Handle:
+    """A handle with nothing to wait for (a group of one rank)."""
+    h = Handle()
+    h.done = True
+    return h
