@@ -12,6 +12,7 @@ design); then cost the result (model-state bytes per rank, communicated bytes pe
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
-from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
+from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params, tensor_split
 from .spec import PartitionSpec, resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHUNK_SIZE"]
@@ -63,6 +64,8 @@ class Plan:
     init_seed: int = 0
     offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
+    verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
+    verify_input: Any = field(compare=False, repr=False, default=None)
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -286,6 +289,16 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             the first decoder block).
         sp_exit: a module whose output is gathered along the sequence (GPT-2's ``ln_f``, before
             Hugging Face reshapes by the full length); default: the output layer gathers.
+        tp_sum_grads: globs over parameter names of replicated parameters used on activations
+            split over the tensor axis, whose gradients are summed over it (found automatically:
+            norms and row biases under sequence parallelism, every replicated parameter of the
+            blocks in the sequence-parallel region, per-head norms inside split attention).
+        verify: before lowering, run each distinct tensor-parallel unit (a decoder block, a
+            parallel embedding, the LM head) sharded and unsharded in float64 on random input
+            and refuse any difference (:mod:`shardlib.parallel.tensor_verify`); default True.
+        verify_input: the positional arguments (a tensor or tuple, the same on every rank) of
+            a small forward that reaches the blocks; default: random token ids for a model that
+            starts with an embedding, random activations for one that starts with a Linear.
         dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
             (:mod:`shardlib.random`); default 0.
         init_rules: for a model built on the meta device, ``{glob: rule}`` or
@@ -444,8 +457,9 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         )
     sp_entry, sp_exit, sp_grad_params = (
         sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
-        if sequence_parallel else ("", "", ())
+        if sequence_parallel else ("", "", split_region_params(model, tp_layers))
     )
+    sp_grad_params = _with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
 
     param_plans = []
@@ -489,6 +503,33 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         init_seed=int(options.get("init_seed", 0)),
         offload_ratio=opts.offload_ratio,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
+        verify=bool(options.get("verify", True)),
+        verify_input=options.get("verify_input"),
         mesh=mesh,
     )
+
+
+def _with_sum_globs(model: torch.nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
+    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
+    are summed over the tensor axis: used on split activations).
+
+    Raises:
+        ShardingError: a glob that matches no parameter; one matching a parameter split over the
+            tensor axis (its gradient is a slice, not a partial sum).
+    """
+    if not globs:
+        return names
+    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
+    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
+    out = list(names)
+    for pattern in globs:
+        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
+        bad = [n for n in hits if n in split]
+        if bad:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
+                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
+        out += hits
+    return tuple(dict.fromkeys(out))
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .parallel.tensor_lower import lower_tensor_parallel
+from .parallel.tensor_verify import verify_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
@@ -294,6 +295,7 @@ def _check_step_args(fn: str, x: Any, criterion: Any, labels: Any) -> None:
 
 @register_lowering(Plan)
 def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
+    verify_tensor_parallel(model, plan, plan.mesh)  # refuses a lowering it cannot prove exact, before anything moves
     return ShardedModule(model, plan)
 
 
@@ -302,6 +304,7 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     """Cut ``model`` where the plan cut it, keep this rank's stage, shard it by its stage plan."""
     from .parallel.pipeline import partition
 
+    verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # on the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))
     assert [tuple(c) for c in stage.chunk_layers] == list(pplan.stage_layers[rank::pplan.p]), "stage differs from its plan"
