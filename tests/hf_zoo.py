@@ -15,10 +15,17 @@ MoE experts), so the arithmetic is plain torch ops that a sharded run can reprod
 counts, key/value heads, intermediate sizes and expert counts are even, so tp=2 splits whole
 heads; the vocab (37) is odd on purpose, to exercise an uneven vocab split.
 
+``with_attention(make_model, "sdpa")`` builds the same model with another attention
+implementation (HF 5.x's default is sdpa; Gemma2 supports only eager): a layout can behave
+differently there (OPT's attention under tensor parallelism crashes in eager, where the mask has
+the global sequence length, and runs silently wrong in sdpa, which builds no mask).
+
 No tests here: tests/test_hf_zoo.py holds them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +217,21 @@ def make_t5():
         use_cache=False, attn_implementation="eager", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
     return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _with_attention(make_model, implementation):
+    model = make_model()
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def with_attention(make_model, implementation):
+    """A picklable maker: ``make_model()`` switched to ``implementation`` (``"sdpa"``, ``"eager"``).
+
+    Raises:
+        ValueError: (from transformers, when called) the family does not support it.
+    """
+    return functools.partial(_with_attention, make_model, implementation)
 
 
 FAMILIES = {
