@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .mesh.regions import _uneven_gather
-from .spec import shard_range
+from .plan_items import tp_pieces
 from .state_names import persistent_buffers
 from .shard import PipelineModule, ShardedModule
 
@@ -91,12 +91,12 @@ def _unshard(smodel: ShardedModule, pp, flat: dict[int, torch.Tensor]) -> torch.
     c, off = plan.placement[pp.name]
     shape = plan.local_shape(pp)
     local = flat[c][off : off + int(torch.Size(shape).numel())].view(shape)
-    if pp.tp_axis is not None and pp.tp_fused > 1:  # gathered rank-major; blocks back to block-major
-        n, k, d = smodel.mesh.size(pp.tp_axis), pp.tp_fused, pp.tp_dim
+    if pp.tp_axis is not None and pp.tp_blocks:  # gathered rank-major; each piece back to its global place
+        n, d = smodel.mesh.size(pp.tp_axis), pp.tp_dim
         full = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), d, pp.global_shape[d])
-        width = pp.global_shape[d] // (n * k)
-        pieces = full.split(width, dim=d)  # rank r, block b at index r * k + b
-        local = torch.cat([pieces[r * k + b] for b in range(k) for r in range(n)], dim=d)
+        rank_major = [p for r in range(n) for p in tp_pieces(pp.global_shape[d], pp.tp_blocks, n, r)]
+        parts = full.split([width for _, width in rank_major], dim=d)
+        local = torch.cat([parts[i] for i in sorted(range(len(parts)), key=lambda i: rank_major[i][0])], dim=d)
     elif pp.tp_axis is not None:
         local = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), pp.tp_dim, pp.global_shape[pp.tp_dim])
     return local.clone()
@@ -173,10 +173,8 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
             raise RuntimeError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, expected {pp.global_shape}")
         local = full
         if pp.tp_axis is not None:
-            n, k, d = dict(plan.mesh_shape)[pp.tp_axis], pp.tp_fused, pp.tp_dim
-            block = full.shape[d] // k
-            lo, hi = shard_range(block, n, coords[pp.tp_axis])
-            local = torch.cat([full.narrow(d, b * block + lo, hi - lo) for b in range(k)], dim=d)
+            pieces = pp.tp_pieces(dict(plan.mesh_shape), coords)
+            local = torch.cat([full.narrow(pp.tp_dim, start, width) for start, width in pieces], dim=pp.tp_dim)
         flat = local.reshape(-1)
         c, off = plan.placement[pp.name]
         zero.write_full(zero.chunks[c], off, flat)  # master shard and compute copy

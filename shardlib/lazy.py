@@ -43,7 +43,6 @@ from torch import nn
 
 from .errors import ShardingError
 from .random import counter_values
-from .spec import shard_range
 
 __all__ = ["init_parameters", "resolve_init_rules", "default_device"]
 
@@ -138,25 +137,28 @@ def global_flat_index(pp: Any, mesh_shape: dict[str, int], coords: dict[str, int
     """Global flat indices of elements ``[start, stop)`` of ``pp``'s tensor-parallel local block
     (flattened row-major), as int64 ``(stop - start,)``.
 
-    The local block is rows ``[lo, hi)`` of each of the ``tp_fused`` blocks of ``tp_dim``
-    (:func:`shardlib.spec.shard_range` layout), joined, as :func:`shardlib.load_full_state_dict`
-    slices a full tensor.
+    The local block is this rank's rows of each of the ``tp_blocks`` of ``tp_dim``
+    (:meth:`~shardlib.plan_items.ParamPlan.tp_pieces`), joined, as
+    :func:`shardlib.load_full_state_dict` slices a full tensor.
     """
     i = torch.arange(start, stop, dtype=torch.int64, device=device)
     if pp.tp_axis is None:
         return i
-    g, d, k = pp.global_shape, pp.tp_dim, pp.tp_fused
-    block = g[d] // k
-    lo, hi = shard_range(block, mesh_shape[pp.tp_axis], coords[pp.tp_axis])
-    w = hi - lo
+    g, d = pp.global_shape, pp.tp_dim
+    pieces = pp.tp_pieces(mesh_shape, coords)
     inner = 1
     for s in g[d + 1 :]:
         inner *= s
-    n_local = w * k
+    n_local = sum(w for _, w in pieces)
     if n_local == 0:
         return i
     outer, m, r = i // (n_local * inner), (i // inner) % n_local, i % inner
-    gm = (m // w) * block + lo + (m % w)
+    # local row m lies in piece j (local starts: running sum of widths); global row = start_j + m - local_j
+    widths = torch.tensor([w for _, w in pieces], dtype=torch.int64, device=device)
+    local_start = torch.cumsum(widths, 0) - widths
+    shift = torch.tensor([s for s, _ in pieces], dtype=torch.int64, device=device) - local_start
+    j = torch.searchsorted(torch.cumsum(widths, 0), m, right=True)
+    gm = m + shift[j]
     return (outer * g[d] + gm) * inner + r
 
 

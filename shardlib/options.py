@@ -69,15 +69,21 @@ def _check_seed(option: str, value: Any) -> None:
         raise ShardingError(f"{option} must be an int (a 64-bit seed), got {value!r} of type {type(value).__name__}")
 
 
+def _positive_int(v: Any) -> bool:
+    return not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, np.integer)) and v >= 1
+
+
 def _check_fused(value: Any) -> None:
     if value is None:
         return
     ok = isinstance(value, Mapping) and all(
-        isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, np.integer)) and v >= 1
+        isinstance(k, str) and (_positive_int(v) or (isinstance(v, (tuple, list)) and len(v) > 0
+                                                     and all(_positive_int(b) for b in v)))
         for k, v in value.items())
     if not ok:
         raise ShardingError(
-            f"fused must map module globs to a number of blocks (an int >= 1), like {{'*.c_attn': 3}}, got {value!r}"
+            f"fused must map module globs to a number of blocks (an int >= 1) or to the block sizes (a tuple of ints "
+            f">= 1), like {{'*.c_attn': 3}} or {{'*.qkv_proj': (64, 16, 16)}}, got {value!r}"
         )
 
 
@@ -112,7 +118,7 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
             ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``, ``verify``) that is not a
             bool; ``tp_sum_grads`` not a list of globs; ``verify_input`` not a tensor or a tuple of them;
             a seed (``dropout_seed``, ``init_seed``) that is not an int; ``fused`` not a dict
-            from globs to ints >= 1.
+            from globs to ints >= 1 or to non-empty tuples of them.
     """
     unknown = sorted(set(options) - OPTIONS)
     if unknown:

@@ -283,7 +283,9 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             (DDP's default); default False (buffers are synchronized once, at shard time).
         logical_axis_rules: a table from logical axis names used in ``specs`` to mesh axes.
         fused: ``{module glob: blocks}`` for column layers whose output joins several
-            projections, each split separately (GPT-2's ``c_attn``: ``{"*.c_attn": 3}``).
+            projections, each split separately: a number of equal blocks (GPT-2's ``c_attn``:
+            ``{"*.c_attn": 3}``) or the block sizes along the output (Phi-3's ``qkv_proj`` under
+            grouped-query attention: ``{"*.qkv_proj": (H * hd, KV * hd, KV * hd)}``).
         sequence_parallel: Megatron sequence parallelism on the tensor axis (arXiv 2205.05198).
         sp_entry: the module whose input is split along the sequence (default: ``drop``, else
             the first decoder block).
@@ -481,7 +483,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
             requires_grad=params[key].requires_grad,
             tp_axis=axis,
             tp_dim=dim,
-            tp_fused=fused_blocks,
+            tp_blocks=fused_blocks,
         ))
     return Plan(
         mesh_shape=tuple(mesh_shape.items()),

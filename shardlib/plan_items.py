@@ -9,7 +9,63 @@ import torch
 
 from .spec import PartitionSpec, shard_range
 
-__all__ = ["ParamPlan", "ChunkPlan"]
+__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks"]
+
+
+def fused_blocks(size: int, fused: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """The one form of a ``fused`` declaration: the global block sizes along a dimension of
+    ``size``, ``()`` for a single block.
+
+    Args:
+        size: the global size of the dimension (a column layer's ``out_features``).
+        fused: a number of equal blocks (GPT-2's ``c_attn``: 3), or the block sizes
+            (Phi-3's ``qkv_proj``: ``(H * hd, KV * hd, KV * hd)``; ``()``: one block).
+
+    Returns:
+        ``k`` equal sizes for an int ``k > 1``, the given sizes as a tuple, ``()`` for one block.
+
+    Raises:
+        ValueError: ``k`` is not a positive divisor of ``size``; sizes below 1 or not summing
+            to ``size``.
+
+    Example:
+        >>> fused_blocks(48, 3), fused_blocks(96, [64, 16, 16]), fused_blocks(8, 1)
+        ((16, 16, 16), (64, 16, 16), ())
+    """
+    if isinstance(fused, (tuple, list)):
+        blocks = tuple(int(b) for b in fused)
+        if blocks and (sum(blocks) != size or min(blocks) < 1):
+            raise ValueError(f"fused blocks {blocks} must be sizes >= 1 summing to the dimension's size {size} "
+                             f"(they sum to {sum(blocks)})")
+    else:
+        k = int(fused)
+        if k < 1 or size % k:
+            raise ValueError(f"{k} fused blocks do not divide the dimension's size {size}")
+        blocks = (size // k,) * k
+    return blocks if len(blocks) > 1 else ()
+
+
+def tp_pieces(size: int, blocks: tuple[int, ...], parts: int, index: int) -> tuple[tuple[int, int], ...]:
+    """Where shard ``index`` of ``parts`` lies along a tensor-parallel dimension of ``size``.
+
+    The dimension is the concatenation of ``blocks`` (global sizes summing to ``size``; ``()``:
+    one block, the whole dimension), and each block is split over the ranks separately
+    (:func:`~shardlib.spec.shard_range` layout): the local tensor is this rank's slice of every
+    block, joined in order (a fused q/k/v projection keeps the same heads of each).
+
+    Returns:
+        ``((global start, width), ...)``, one per block, in local order.
+
+    Example:
+        >>> tp_pieces(96, (64, 16, 16), 2, 1)
+        ((32, 32), (72, 8), (88, 8))
+    """
+    out, start = [], 0
+    for block in blocks or (size,):
+        lo, hi = shard_range(block, parts, index)
+        out.append((start + lo, hi - lo))
+        start += block
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -25,6 +81,10 @@ class ParamPlan:
             ``"zero-1"`` ... ``"zero-3"``), e.g. ``"column+zero-3"``.
         tp_axis, tp_dim: the tensor axis and the dimension split over it (``None``: replicated
             over every non-data axis).
+        tp_blocks: the global sizes of the blocks ``tp_dim`` concatenates, each split over
+            ``tp_axis`` separately (a fused projection: GPT-2's ``c_attn`` ``(C, C, C)``, Phi-3's
+            ``qkv_proj`` under grouped-query attention ``(H * hd, KV * hd, KV * hd)``); ``()``:
+            one block (see :func:`tp_pieces`).
     """
 
     name: str
@@ -37,7 +97,7 @@ class ParamPlan:
     requires_grad: bool
     tp_axis: str | None = None
     tp_dim: int | None = None
-    tp_fused: int = 1
+    tp_blocks: tuple[int, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -51,10 +111,15 @@ class ParamPlan:
         if self.tp_axis is None:
             return self.global_shape
         shape = list(self.global_shape)
-        block = shape[self.tp_dim] // self.tp_fused
-        lo, hi = shard_range(block, mesh_shape[self.tp_axis], coords[self.tp_axis])
-        shape[self.tp_dim] = (hi - lo) * self.tp_fused
+        shape[self.tp_dim] = sum(w for _, w in self.tp_pieces(mesh_shape, coords))
         return tuple(shape)
+
+    def tp_pieces(self, mesh_shape: dict[str, int], coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
+        """``((global start, width), ...)`` of this parameter's local tensor along ``tp_dim`` at
+        ``coords`` (:func:`tp_pieces`); ``()`` when it is not split over a tensor axis."""
+        if self.tp_axis is None:
+            return ()
+        return tp_pieces(self.global_shape[self.tp_dim], self.tp_blocks, mesh_shape[self.tp_axis], coords[self.tp_axis])
 
 
 @dataclass(frozen=True)

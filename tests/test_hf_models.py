@@ -67,4 +67,4 @@ def test_gpt2_fused_qkv_keeps_whole_heads():
     model = make_gpt2()
     p = shardlib.plan(model, AbstractMesh({"tp": 2}, rank=1), gpt2_preset().specs, **gpt2_preset().options)
     c_attn = p.param("transformer.h.0.attn.c_attn.weight")
-    assert c_attn.tp_fused == 3 and p.local_shape(c_attn) == (16, 24)
+    assert c_attn.tp_blocks == (16, 16, 16) and p.local_shape(c_attn) == (16, 24)

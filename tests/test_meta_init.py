@@ -137,10 +137,12 @@ def test_global_flat_index_matches_tensor_parallel_slicing():
     """The index map used to fill a tensor-parallel block equals slicing the global index
     tensor as load_full_state_dict does (fused blocks and uneven splits included)."""
     from shardlib.plan import ParamPlan
+    from shardlib.plan_items import fused_blocks
     from shardlib.spec import P, shard_range
 
     for shape, dim, fused, n in [((6, 5), 0, 1, 2), ((6, 5), 1, 1, 3), ((12, 4), 0, 3, 2), ((3, 7, 2), 1, 1, 4)]:
-        pp = ParamPlan("w", (), shape, torch.float32, P(), "", "column", True, tp_axis="tp", tp_dim=dim, tp_fused=fused)
+        pp = ParamPlan("w", (), shape, torch.float32, P(), "", "column", True, tp_axis="tp", tp_dim=dim,
+                       tp_blocks=fused_blocks(shape[dim], fused))
         whole = torch.arange(int(torch.Size(shape).numel())).view(shape)
         for r in range(n):
             block = shape[dim] // fused

@@ -2,10 +2,11 @@
 
 Under ZeRO (arXiv 1910.02054) a rank owns a contiguous range of each flat chunk, i.e. for each
 parameter a contiguous range of its row-major, tensor-parallel local tensor; that local tensor is
-a ``torch.chunk`` block of the global one (``k`` blocks along the split dimension for fused
-weights such as GPT-2's ``c_attn``). A contiguous range of a row-major N-d block is at most
-``2N - 1`` boxes, each contiguous in memory (:func:`range_boxes`), which map to global
-coordinates by the tensor-parallel offset (:func:`global_pieces`).
+a ``torch.chunk`` block of the global one (one per fused block along the split dimension, joined,
+for fused weights such as GPT-2's ``c_attn`` or Phi-3's ``qkv_proj``: ``ParamPlan.tp_pieces``).
+A contiguous range of a row-major N-d block is at most ``2N - 1`` boxes, each contiguous in
+memory (:func:`range_boxes`), which map to global coordinates by the tensor-parallel offset
+(:func:`global_pieces`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import torch
 
 from ..shard import ShardedModule
-from ..spec import shard_range
 
 __all__ = ["range_boxes", "global_pieces", "owned_range", "region", "load_targets", "entries"]
 
@@ -58,6 +58,7 @@ def global_pieces(smodel: ShardedModule, pp, a: int, b: int, flat: torch.Tensor)
     ``[(global offsets, view)]``: views into ``flat`` shaped as boxes of the global tensor."""
     plan = smodel.plan
     shape = plan.local_shape(pp)
+    pieces = pp.tp_pieces(dict(plan.mesh_shape), plan.coords())  # ((global start, width), ...) along tp_dim
     out = []
     for start, offs, sizes in range_boxes(shape, a, b):
         view = flat[start - a : start - a + math.prod(sizes)].view(sizes)
@@ -65,16 +66,14 @@ def global_pieces(smodel: ShardedModule, pp, a: int, b: int, flat: torch.Tensor)
             out.append((offs, view))
             continue
         d = pp.tp_dim
-        block = pp.global_shape[d] // pp.tp_fused  # fused weights: k blocks, each split over tp
-        lo, hi = shard_range(block, dict(plan.mesh_shape)[pp.tp_axis], plan.coords()[pp.tp_axis])
-        w = hi - lo
-        p, end = offs[d], offs[d] + sizes[d]
-        while p < end:  # split at the local block boundaries; each piece is one global box
-            q = min(end, (p // w + 1) * w)
-            g = list(offs)
-            g[d] = (p // w) * block + lo + p % w
-            out.append((tuple(g), view.narrow(d, p - offs[d], q - p)))
-            p = q
+        local = 0  # each tp piece (this rank's rows of one fused block) is one global box
+        for g_start, width in pieces:
+            a_, b_ = max(offs[d], local), min(offs[d] + sizes[d], local + width)
+            if a_ < b_:
+                g = list(offs)
+                g[d] = g_start + a_ - local
+                out.append((tuple(g), view.narrow(d, a_ - offs[d], b_ - a_)))
+            local += width
     return out
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from ..mesh.collectives import all_gather, all_reduce, pvary, raw_all_reduce, reduce_scatter
 from ..mesh.mesh import Mesh, current_mesh
 from ..mesh.regions import gather_from_region
+from ..plan_items import fused_blocks, tp_pieces
 from ..spec import shard_range
 
 __all__ = [
@@ -169,28 +170,39 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: the input is ``(B, T / tp, in)`` and is all-gathered along
             ``seq_dim`` (backward: reduce-scatter); ``seq_dim=None`` (default): dimension 1, or
             0 for a token-major ``(B * T / tp, in)`` input.
+        fused: the output concatenates several projections, each split over ``axis``
+            separately, so every rank holds the same heads of each: a number of equal blocks
+            (GPT-2's ``c_attn``: 3) or the block sizes, summing to ``out`` (Phi-3's ``qkv_proj``
+            under GQA: ``(H * hd, KV * hd, KV * hd)``); the local output is this rank's slice of
+            every block, joined in order. Default 1 (one block).
         shared_input: a :class:`SharedInput` shared with the other column layers of the model, so
             layers reading the same tensor apply the input operator once.
         mesh: default :func:`~shardlib.current_mesh`.
 
     Shapes: input ``(..., in)`` (or sequence-split), output ``(..., out_local)`` or
     ``(..., out)`` with ``gather_output``.
+
+    Raises:
+        ValueError: ``fused`` blocks that do not fill ``out``, or ``fused`` with ``gather_output``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
                  gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int | None = None,
-                 input_is_shared: bool = False, transposed: bool = False, fused: int = 1,
+                 input_is_shared: bool = False, transposed: bool = False, fused: int | tuple[int, ...] = 1,
                  shared_input: SharedInput | None = None, mesh: Mesh | None = None, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh if mesh is not None else current_mesh()
         self.axis, self.in_features, self.out_features = axis, in_features, out_features
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
-        self.input_is_shared, self.transposed, self.fused = input_is_shared, transposed, fused
+        self.input_is_shared, self.transposed = input_is_shared, transposed
+        self.fused = fused_blocks(out_features, fused)  # global block sizes; () for one block
         self.shared_input = shared_input
-        if fused > 1 and gather_output:
+        if self.fused and gather_output:
             raise ValueError("a fused column layer cannot gather its output")
-        self.lo, self.hi = shard_range(out_features // fused, self.mesh.size(axis), self.mesh.index(axis))
-        local = (self.hi - self.lo) * fused
+        # ((global start, width), ...) per block; lo, hi: this rank's rows of the first block
+        self.pieces = tp_pieces(out_features, self.fused, self.mesh.size(axis), self.mesh.index(axis))
+        self.lo, self.hi = self.pieces[0][0], self.pieces[0][0] + self.pieces[0][1]
+        local = sum(w for _, w in self.pieces)
         kw = {"device": device, "dtype": dtype}
         shape = (in_features, local) if transposed else (local, in_features)
         self.weight = nn.Parameter(torch.empty(shape, **kw))
@@ -215,8 +227,7 @@ class ColumnParallelLinear(nn.Module):
 
     def _local_blocks(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of each of the ``fused`` blocks of ``t`` along ``dim``, joined."""
-        block = t.shape[dim] // self.fused
-        return torch.cat([_slice_rows(t.narrow(dim, i * block, block), self.lo, self.hi, dim) for i in range(self.fused)], dim)
+        return torch.cat([_slice_rows(t, start, start + width, dim) for start, width in self.pieces], dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_shared:
@@ -234,7 +245,8 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} (local {self.hi - self.lo}), axis={self.axis!r}, "
+        return (f"in={self.in_features}, out={self.out_features} (local {sum(w for _, w in self.pieces)}"
+                + (f", fused blocks {self.fused}" if self.fused else "") + f"), axis={self.axis!r}, "
                 f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
 
 

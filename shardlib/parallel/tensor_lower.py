@@ -80,9 +80,8 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
                 # under SP a grouped layer's parent gathers the sequence once (below); after an SP
                 # exit the all-gather's backward (a reduce-scatter) already sums the input gradients
                 input_is_shared=bool(sp and (layer.group or (layer.output_layer and plan.sp_exit))))
-            block = layer.out_features // layer.fused
-            if layer.fused > 1 and getattr(parent, "split_size", None) == block:
-                parent.split_size = new.hi - new.lo  # GPT-2 splits c_attn's output by this width
+            if len(set(layer.fused)) == 1 and getattr(parent, "split_size", None) == layer.fused[0]:
+                parent.split_size = new.hi - new.lo  # GPT-2 splits c_attn's equal blocks by this width
             if layer.group:
                 attention[layer.group] = axis
         elif layer.kind == "row":

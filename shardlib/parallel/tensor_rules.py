@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import ShardingError
+from ..plan_items import fused_blocks
 from ..spec import PartitionSpec
 
 __all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout", "split_region_params",
@@ -46,8 +47,10 @@ class TPLayer:
         transposed: the weight is stored ``[in, out]`` (Hugging Face ``Conv1D``).
         output_layer: a column layer with no row partner; its output is gathered.
         group: the parent module whose input is shared by this group of column layers.
-        fused: the output is ``fused`` equal blocks (GPT-2's ``c_attn`` holds q, k and v), each
-            split over the axis separately, so every rank holds whole heads of each.
+        fused: the global sizes of the blocks the output concatenates (GPT-2's ``c_attn``:
+            q, k, v ``(C, C, C)``; Phi-3's ``qkv_proj`` under GQA ``(H*hd, KV*hd, KV*hd)``), each
+            split over the axis separately, so every rank holds whole heads of each; ``()``: one
+            block (:func:`shardlib.plan_items.fused_blocks` gives this form).
     """
 
     path: str
@@ -58,7 +61,7 @@ class TPLayer:
     transposed: bool = False
     output_layer: bool = False
     group: str = ""
-    fused: int = 1
+    fused: tuple[int, ...] = ()
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -105,7 +108,7 @@ def head_counts(m: nn.Module) -> tuple[int | None, int | None, int | None]:
 
 def analyze_tensor_parallel(
     model: nn.Module, specs: dict[str, tuple[PartitionSpec, str]], mesh_shape: dict[str, int], data_axes: tuple[str, ...],
-    fused: dict[str, int] | None = None,
+    fused: dict[str, int | tuple[int, ...]] | None = None,
 ) -> tuple[dict[str, str], list[TPLayer]]:
     """Decide the tensor-parallel role of every parameter and module; check the structure.
 
@@ -115,7 +118,9 @@ def analyze_tensor_parallel(
         mesh_shape: ``{axis: size}``.
         data_axes: the data axes (specs along them mean ZeRO-3, handled elsewhere).
         fused: ``{glob over module paths: blocks}`` for column layers whose output concatenates
-            several projections (``{"*.attn.c_attn": 3}`` for GPT-2).
+            several projections: a number of equal blocks (``{"*.attn.c_attn": 3}`` for GPT-2) or
+            their sizes (``{"*.self_attn.qkv_proj": (64, 16, 16)}`` for Phi-3 with 4 query and 1
+            key/value head of 16).
 
     Returns:
         ``({param name: role}, [TPLayer])``; roles are ``"column"``, ``"row"``, ``"vocab"``,
@@ -201,13 +206,9 @@ def analyze_tensor_parallel(
             out_dim = 1 if transposed else 0
             kind = "column" if dim == out_dim else "row"
             in_f, out_f = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
-            k = next((v for pat, v in (fused or {}).items() if fnmatch.fnmatchcase(path, pat)), 1)
-            if k > 1 and (kind != "column" or out_f % k or (out_f // k) % size):
-                raise ShardingError(
-                    f"fused layer {where} ({k} blocks, out_features {out_f}) must be column parallel with each block of "
-                    f"{out_f // k if out_f % k == 0 else out_f / k} features divisible by {axis!r} of size {size}"
-                )
-            layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed, fused=k))
+            given = next((v for pat, v in (fused or {}).items() if fnmatch.fnmatchcase(path, pat)), 1)
+            blocks = _fused_blocks(where, given, kind, out_f, axis, size)
+            layers.append(TPLayer(path, kind, axis, in_f, out_f, transposed, fused=blocks))
         else:
             raise ShardingError(
                 f"{full['weight']} of {type(m).__name__} {where} is split over {axis!r} (spec {spec_of[full['weight']][0]}), "
@@ -247,14 +248,16 @@ def analyze_tensor_parallel(
             head_dim, heads, kv_heads = _heads(parent_mod)
             n = mesh_shape[rows[0].axis]
             for col in cols:
-                if head_dim and (col.out_features // col.fused) % head_dim == 0:
-                    h = col.out_features // col.fused // head_dim
+                for block in col.fused or (col.out_features,):
+                    h = block // head_dim if head_dim and block % head_dim == 0 else 0
                     if h % n:
                         what = "key/value heads" if kv_heads and h == kv_heads and kv_heads != heads else "heads"
+                        where_h = (f"in its fused block of {block} features (blocks {col.fused}, head_dim {head_dim})"
+                                   if col.fused else f"(out_features {col.out_features}, head_dim {head_dim})")
                         raise ShardingError(
-                            f"attention {parent}: {col.path} has {h} {what} (out_features {col.out_features}, head_dim "
-                            f"{head_dim}), which do not split over {col.axis!r} of size {n} (mesh {mesh_shape}). Fix: use a "
-                            f"tensor axis size dividing {h}, or replicate the attention projections"
+                            f"attention {parent}: {col.path} has {h} {what} {where_h}, which do not split over "
+                            f"{col.axis!r} of size {n} (mesh {mesh_shape}). Fix: use a tensor axis size dividing {h}, "
+                            "or replicate the attention projections"
                         )
         final += [TPLayer(g.path, g.kind, g.axis, g.in_features, g.out_features, g.transposed,
                           output_layer=(g.kind == "column" and not rows), group=parent if rows else "", fused=g.fused)
@@ -262,13 +265,46 @@ def analyze_tensor_parallel(
     return roles, final
 
 
+def _fused_blocks(where: str, given, kind: str, out_f: int, axis: str, size: int) -> tuple[int, ...]:
+    """The block sizes (:attr:`TPLayer.fused`) of a layer a ``fused`` glob matched (``given``: a
+    number of equal blocks or their sizes), checked: a column layer, blocks that fill its output,
+    each divisible by the axis size."""
+    if isinstance(given, (tuple, list)):
+        blocks = tuple(int(b) for b in given)
+        what = f"blocks {blocks}"
+        if sum(blocks) != out_f:
+            raise ShardingError(
+                f"fused layer {where} ({what}) has out_features {out_f}, but the blocks sum to {sum(blocks)}: they are "
+                f"the sizes of the projections its output joins, in order. Fix: give sizes summing to {out_f} (Phi-3's "
+                "qkv_proj: (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))"
+            )
+    elif int(given) == 1:
+        return ()
+    else:
+        given = int(given)
+        blocks, what = (out_f // given,) * given, f"{given} blocks"
+    rule = (f"fused layer {where} ({what}, out_features {out_f}) must be column parallel with each block divisible "
+            f"by {axis!r} of size {size}")
+    if kind != "column":
+        raise ShardingError(f"{rule}, but it is {kind} parallel (its weight is split by input features). Fix: split "
+                            "its weight by output features (P('tp', None)), or remove it from fused")
+    if not isinstance(given, (tuple, list)) and out_f % given:
+        raise ShardingError(f"{rule}, but {out_f} features do not make {given} equal blocks. Fix: give the block "
+                            "sizes as a tuple, or the right number of blocks")
+    bad = sorted({b for b in blocks if b % size})
+    if bad:
+        raise ShardingError(f"{rule}; block size(s) {bad} are not. Fix: use a tensor axis size dividing every block, "
+                            f"or leave {where} replicated")
+    return fused_blocks(out_f, blocks)
+
+
 _WEIGHT_DIM = {("column", False): 0, ("column", True): 1, ("row", False): 1, ("row", True): 0,
                ("vocab", False): 0, ("embed_dim", False): 1}
 
 
-def tensor_split(tp_layers, names) -> tuple[str | None, int | None, int]:
-    """(axis, dim, fused blocks) of the tensor split of a parameter known by ``names`` (its
-    canonical name and tied aliases), or ``(None, None, 1)`` when it is not split."""
+def tensor_split(tp_layers, names) -> tuple[str | None, int | None, tuple[int, ...]]:
+    """(axis, dim, fused block sizes) of the tensor split of a parameter known by ``names`` (its
+    canonical name and tied aliases), or ``(None, None, ())`` when it is not split."""
     by_path = {layer.path: layer for layer in tp_layers}
     for n in names:
         path, _, attr = n.rpartition(".")
@@ -279,7 +315,7 @@ def tensor_split(tp_layers, names) -> tuple[str | None, int | None, int]:
             return layer.axis, _WEIGHT_DIM[(layer.kind, layer.transposed)], layer.fused
         if attr == "bias" and layer.kind == "column":
             return layer.axis, 0, layer.fused
-    return None, None, 1
+    return None, None, ()
 
 
 def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exit_: str | None) -> tuple[str, str, tuple[str, ...]]:
