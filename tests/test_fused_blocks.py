@@ -12,11 +12,11 @@ from torch import nn
 
 import shardlib
 import shardlib.checkpoint as ckpt
-from shardlib import P
+from shardlib import P, plan_items
 from shardlib.errors import ShardingError
 from shardlib.lazy import global_flat_index, init_parameters
 from shardlib.mesh import AbstractMesh
-from shardlib.plan_items import ParamPlan, fused_blocks, tp_pieces
+from shardlib.plan_items import ParamPlan
 from shardlib.testing import assert_equivalent, run_on
 
 transformers = pytest.importorskip("transformers")
@@ -79,8 +79,8 @@ def test_int_and_equal_tuple_are_one_form():
     assert as_int.param(name).tp_blocks == as_tuple.param(name).tp_blocks == (24, 24)
     assert as_int.tp_layers == as_tuple.tp_layers and one.tp_layers == none.tp_layers
     assert one.param(name).tp_blocks == () and one.local_shape(one.param(name)) == (24, 16)
-    assert fused_blocks(48, 3) == (16, 16, 16) and fused_blocks(32, [16, 8, 8]) == (16, 8, 8)
-    assert fused_blocks(8, 1) == fused_blocks(8, ()) == fused_blocks(8, (8,)) == ()
+    assert plan_items.fused_blocks(48, 3) == (16, 16, 16) and plan_items.fused_blocks(32, [16, 8, 8]) == (16, 8, 8)
+    assert plan_items.fused_blocks(8, 1) == plan_items.fused_blocks(8, ()) == plan_items.fused_blocks(8, (8,)) == ()
 
 
 def test_blocks_not_summing_to_out_features_are_refused():
@@ -120,11 +120,11 @@ def test_malformed_block_sizes_are_refused(value):
 def test_fused_blocks_refuses_sizes_that_do_not_fill_the_dimension():
     with pytest.raises(ValueError, match=r"fused blocks \(3, 4\) must be sizes >= 1 summing to the dimension's size 8 "
                                          r"\(they sum to 7\)"):
-        fused_blocks(8, (3, 4))
+        plan_items.fused_blocks(8, (3, 4))
     with pytest.raises(ValueError, match=r"fused blocks \(9, -1\) must be sizes >= 1"):
-        fused_blocks(8, (9, -1))
+        plan_items.fused_blocks(8, (9, -1))
     with pytest.raises(ValueError, match="3 fused blocks do not divide the dimension's size 8"):
-        fused_blocks(8, 3)
+        plan_items.fused_blocks(8, 3)
 
 
 def test_meta_init_index_map_follows_unequal_blocks():
@@ -136,7 +136,7 @@ def test_meta_init_index_map_follows_unequal_blocks():
     for r in range(2):
         rows = [*range(4 * r, 4 * r + 4), *range(8 + 2 * r, 10 + 2 * r), *range(12 + 2 * r, 14 + 2 * r)]
         local = whole[rows].reshape(-1)
-        assert tp_pieces(16, (8, 4, 4), 2, r) == ((4 * r, 4), (8 + 2 * r, 2), (12 + 2 * r, 2))
+        assert plan_items.tp_pieces(16, (8, 4, 4), 2, r) == ((4 * r, 4), (8 + 2 * r, 2), (12 + 2 * r, 2))
         assert torch.equal(global_flat_index(pp, {"tp": 2}, {"tp": r}, 0, 24), local)
         assert torch.equal(global_flat_index(pp, {"tp": 2}, {"tp": r}, 5, 20), local[5:20])
 
