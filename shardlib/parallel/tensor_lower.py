@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import all_gather
-from ..mesh.regions import scatter_to_region
+from ..mesh.regions import gather_from_region, scatter_to_region
 from .tensor import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SharedInput, VocabParallelEmbedding,
                      sum_grad_over)
 from .tensor_rules import head_counts
@@ -159,6 +159,15 @@ def _local_head_counts(parent: nn.Module, n: int) -> None:
         parent.config = cfg
 
 
+def _map_first(out, fn):
+    """``out`` with its first floating tensor replaced by ``fn(it)`` (a block may return a tuple)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]),) + out[1:]
+    return out
+
+
 def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) -> list:
     n = mesh.size(axis)
 
@@ -176,6 +185,11 @@ def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) 
         split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
         hooks.append(entry.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True))
     if plan.sp_exit:
-        gather = lambda m, a, out: all_gather(out, axis, 1, mesh=mesh)  # noqa: E731
+        if any(layer.output_layer for layer in plan.tp_layers):
+            # a column-parallel output layer reads the gathered sequence: its partial input
+            # gradients are summed by the all-gather's backward (a reduce-scatter)
+            gather = lambda m, a, out: _map_first(out, lambda t: all_gather(t, axis, 1, mesh=mesh))  # noqa: E731
+        else:  # replicated layers after the exit: their gradients are whole, keep this rank's slice
+            gather = lambda m, a, out: _map_first(out, lambda t: gather_from_region(t, axis, 1, mesh=mesh))  # noqa: E731
         hooks.append(model.get_submodule(plan.sp_exit).register_forward_hook(gather))
     return hooks

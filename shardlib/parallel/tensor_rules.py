@@ -288,8 +288,10 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     Entry default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the
     first block of the longest ``ModuleList`` (the decoder layers: LLaMA), so masks and positions
     are built on the whole sequence before the split. Exit: a module whose output is gathered
-    along the sequence (GPT-2's ``ln_f``); default none (the output layer gathers). Norm weights
-    and row-layer biases run on sequence shards, so their gradients are partial sums.
+    along the sequence (GPT-2's ``ln_f``); default none when a tensor-parallel output layer (the
+    LM head) gathers, else the last block. Every replicated parameter of the blocks, the norms
+    after them up to the gather, and row-layer biases run on sequence shards, so their gradients
+    are partial sums.
 
     Raises:
         ShardingError: an entry or exit that is not a module; no entry found.
@@ -313,12 +315,19 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     split = _tp_param_names(tp_layers)
     blocks = _region_blocks(modules, entry)
+    if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
+        exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
+    order = list(modules)
+    first = order.index(blocks[0]) if blocks and blocks[0] in modules else 0
     names = []
     for mname, module in model.named_modules():
+        in_block = any(mname == b or mname.startswith(b + ".") for b in blocks)
+        # a norm outside the blocks runs on sequence shards if it comes after them and before the
+        # gather: the output layer's (no exit) or the exit's own output (GPT-2's ln_f)
+        loose_norm = ("Norm" in type(module).__name__ and not in_block and order.index(mname) > first
+                      and (exit_ is None or mname == exit_))
         for pname, prm in module.named_parameters(prefix=mname, recurse=False):
-            in_block = any(pname.startswith(b + ".") for b in blocks)
-            if prm.requires_grad and pname not in split and (
-                    "Norm" in type(module).__name__ or pname in row_biases or in_block):
+            if prm.requires_grad and pname not in split and (in_block or loose_norm or pname in row_biases):
                 names.append(pname)
     return entry, exit_ or "", tuple(dict.fromkeys(names))
 

@@ -56,6 +56,8 @@ __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 # misplaced all-reduce 0.7). 1e-5 sits two decades from both.
 TOLERANCE = 1e-5
 _SEED = 20261201
+# models up to this many parameters are also checked whole (three float64 copies: 480 MB at the limit)
+WHOLE_MODEL_LIMIT = 20_000_000
 
 
 class _Stop(Exception):
@@ -65,7 +67,7 @@ class _Stop(Exception):
 @dataclasses.dataclass
 class _Unit:
     path: str
-    kind: str  # "block", "embedding", "output"
+    kind: str  # "block", "embedding", "output", "model" (the whole model, when small)
     split_in: bool = False  # sequence-parallel: the input arrives split along dim 1
     split_out: bool = False  # ... and the output leaves split
     inputs: tuple | None = None  # (args, kwargs), captured or synthesized
@@ -102,6 +104,10 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
         return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
     units = _units(model, plan)
     _capture(model, plan, units, n)
+    if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
+        # small enough to run whole: also proves how the units compose (the sequence-parallel
+        # entry and exit, replicated layers between them), which no single unit shows
+        units.append(_Unit("", "model", inputs=_sample(model, plan, n)))
     index = mesh.index(axis)
     results = []  # (unit, [(what, error, is_replicated_param_name or None)])
     for unit in units:
@@ -332,6 +338,9 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     _randomize(ref)
     ref.eval()
     mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    if unit.kind == "model":
+        mini = SimpleNamespace(tp_layers=plan.tp_layers, sequence_parallel=plan.sequence_parallel, sp_entry=plan.sp_entry,
+                               sp_exit=plan.sp_exit, sp_grad_params=plan.sp_grad_params)
     split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
     checks: list = [("output", None), ("input gradient", None)]
     checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
@@ -370,7 +379,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     except ShardingError:
         raise
     except Exception as exc:
-        what = f"the sharded forward/backward (it raised {type(exc).__name__}: {str(exc)[:200]})"
+        what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
     y_cmp = _split(y_ref, n, index) if unit.split_out else y_ref
     out = [("output", _err(y_s, y_cmp), None)]
@@ -389,7 +398,7 @@ def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
     """float64, unless the unit cannot run in it (grouped GEMMs of HF MoE experts take float32
     at most): then float32. Decided by a forward of a throwaway copy, on this rank only (the same
     code on every rank gives the same answer)."""
-    if unit.kind != "block":
+    if unit.kind not in ("block", "model"):
         return torch.float64
     probe = copy.deepcopy(module).double()
     args, kwargs = _tree(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
@@ -505,8 +514,8 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
     lines = []
     for unit, what, err, replicated in failures[:12]:
         m = model.get_submodule(unit.path) if unit.path else model
-        lines.append(f"  {unit.kind} {unit.path or '<root>'} ({type(m).__name__}): {what} differs (max relative error "
-                     f"{err:.2g})")
+        head = f"  {unit.kind} {unit.path or '<root>'} ({type(m).__name__}): "
+        lines.append(head + (what if what.startswith("the sharded") else f"{what} differs (max relative error {err:.2g})"))
     causes = []
     if partial:
         causes.append(
