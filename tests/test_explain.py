@@ -160,6 +160,7 @@ def test_small_model_lists_every_parameter_after_the_summary():
 
 
 def test_fold_keeps_differing_copies_apart_and_folds_nested_blocks():
+    from shardlib.explain_pipeline import compact_names
     from shardlib.explain_table import Block, Row, flatten, fold, index_set
 
     def layer(i, width=4, experts=3):
@@ -182,3 +183,23 @@ def test_fold_keeps_differing_copies_apart_and_folds_nested_blocks():
         ("layers.{3..5}.experts.{0..2}.w.weight", 9)]
     assert sum(r.weight * n for _, n, r in flatten(items)) == sum(r.weight for r in rows)
     assert index_set([0, 1, 2, 5, 7, 8]) == "0..2,5,7,8"
+    assert compact_names(["embed", "blocks.0", "blocks.1", "blocks.2", "head"]) == ["embed", "blocks.{0..2}", "head"]
+    assert compact_names(["embed", "blocks.0", "blocks.1"]) == ["embed", "blocks.0", "blocks.1"]
+
+
+def test_pipeline_summary_fits_and_folds_its_stages():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=16, n_head=2, n_embd=16, bias=False))
+    pplan = shardlib.plan(model, AbstractMesh({"pp": 4, "dp": 2}), schedule="1f1b", microbatches=32, zero_stage=1)
+    summary = pplan.summary().splitlines()
+    assert max(map(len, summary)) <= 100, max(summary, key=len)  # the first line was 171 characters
+    assert "  stage 1 on rank 1: blocks.{4..7} (4 layers, 49,664 parameter bytes)" in summary
+    s1 = pplan.stages[1]
+    assert s1.model_state_bytes == pplan.stages[2].model_state_bytes
+    assert re.split(r"\s+", next(line for line in summary if line.startswith("  1,2 ")).strip())[:5] == [
+        "1,2", f"{s1.param_bytes:,}", f"{s1.grad_bytes:,}", f"{s1.optimizer_bytes:,}", f"{s1.model_state_bytes:,}"]
+    text = pplan.explain()
+    assert "schedule: 70 steps x 4 ranks (forward and backward one step each); explain(full=True) draws the grid" in text
+    assert " 0F0 " not in text
+    full = pplan.explain(full=True)
+    assert " 0F0 " in full and "  69 " in full  # the 70 steps of 2 (m + p - 1) drawn
