@@ -36,7 +36,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHU
 class Plan:
     """A checked sharding plan: one :class:`ParamPlan` per parameter, chunks, costs.
 
-    ``str(plan)`` / ``plan.explain()`` print the per-parameter table and the totals; the cost
+    ``str(plan)`` / ``plan.explain()`` print the totals, then the per-parameter table; the cost
     figures are per rank: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (model states
     that persist between steps) and ``comm_per_step()`` (logical ring bytes by axis and kind,
     see :mod:`shardlib.mesh.comm`).
@@ -229,17 +229,20 @@ class Plan:
         return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self, tokens: int | None = None) -> str:
-        """The plan as text: a row per parameter, the tensor-parallel layers with their
-        collectives, then memory and communication totals (see :func:`shardlib.explain.explain`).
+    def explain(self, tokens: int | None = None, full: bool = False) -> str:
+        """The plan as text: the summary first (memory per rank, communication per step by axis
+        and kind, bytes per strategy, the largest tensors, one line per repeated block), then a
+        row per parameter, then the tensor-parallel layers (see :func:`shardlib.explain.explain`).
 
         Args:
             tokens: tokens per micro-batch per rank; when given, activation collectives of
                 tensor/sequence parallelism are included in the per-step totals.
+            full: every parameter's row even in a long table (more than 60 rows folds each
+                repeated block into one row per pattern by default).
         """
         from .explain import explain
 
-        return explain(self, tokens)
+        return explain(self, tokens, full)
 
     def __str__(self) -> str:
         return self.explain()
