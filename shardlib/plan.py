@@ -12,7 +12,6 @@ design); then cost the result (model-state bytes per rank, communicated bytes pe
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,8 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
-from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params, tensor_split
+from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
+                                    tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHUNK_SIZE"]
@@ -462,7 +462,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
         if sequence_parallel else ("", "", split_region_params(model, tp_layers))
     )
-    sp_grad_params = _with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
+    sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
 
     param_plans = []
@@ -510,29 +510,3 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         verify_input=options.get("verify_input"),
         mesh=mesh,
     )
-
-
-def _with_sum_globs(model: torch.nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
-    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
-    are summed over the tensor axis: used on split activations).
-
-    Raises:
-        ShardingError: a glob that matches no parameter; one matching a parameter split over the
-            tensor axis (its gradient is a slice, not a partial sum).
-    """
-    if not globs:
-        return names
-    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
-    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
-    out = list(names)
-    for pattern in globs:
-        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
-        bad = [n for n in hits if n in split]
-        if bad:
-            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
-                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
-        out += hits
-    return tuple(dict.fromkeys(out))
-

@@ -31,7 +31,8 @@ from ..errors import ShardingError
 from ..spec import PartitionSpec
 
 __all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout", "split_region_params",
-           "is_attention", "head_counts"]
+           "is_attention", "head_counts", "region_blocks",
+           "with_sum_globs"]
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,7 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
             )
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     split = _tp_param_names(tp_layers)
-    blocks = _region_blocks(modules, entry)
+    blocks = region_blocks(modules, entry)
     if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
         exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
     order = list(modules)
@@ -342,7 +343,7 @@ def _tp_param_names(tp_layers) -> set[str]:
     return out
 
 
-def _region_blocks(modules: dict, entry: str) -> list[str]:
+def region_blocks(modules: dict, entry: str) -> list[str]:
     """The blocks that run inside the sequence-parallel region: the entry block and those after
     it in its ``ModuleList`` (LLaMA's ``model.layers.0`` onward), or, for an entry that is not a
     block (GPT-2's ``drop``), every block of the longest ``ModuleList``."""
@@ -378,3 +379,30 @@ def split_region_params(model: nn.Module, tp_layers) -> tuple[str, ...]:
             if prm.requires_grad and pname not in split:
                 names.append(pname)
     return tuple(dict.fromkeys(names))
+
+
+def with_sum_globs(model: nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
+    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
+    are summed over the tensor axis: used on split activations).
+
+    Raises:
+        ShardingError: a glob that matches no parameter; one matching a parameter split over the
+            tensor axis (its gradient is a slice, not a partial sum).
+    """
+    if not globs:
+        return names
+    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
+    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
+    out = list(names)
+    for pattern in globs:
+        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
+        bad = [n for n in hits if n in split]
+        if bad:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
+                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
+        out += hits
+    return tuple(dict.fromkeys(out))
+
+

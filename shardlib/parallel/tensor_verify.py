@@ -44,7 +44,8 @@ from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from ..spec import shard_range
 from .tensor_lower import lower_tensor_parallel
-from .tensor_rules import _region_blocks, head_counts, is_attention
+from .tensor_rules import region_blocks, head_counts, is_attention
+from .tensor_verify_inputs import SEED, capture_inputs, sample_input, tree_map
 
 __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 
@@ -55,13 +56,8 @@ __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 # issue 14 shows at >= 3e-2 (a lost embedding scale 0.75, partial-sum gradients 0.5-0.9, a
 # misplaced all-reduce 0.7). 1e-5 sits two decades from both.
 TOLERANCE = 1e-5
-_SEED = 20261201
 # models up to this many parameters are also checked whole (three float64 copies: 480 MB at the limit)
 WHOLE_MODEL_LIMIT = 20_000_000
-
-
-class _Stop(Exception):
-    """Raised by the capture hooks once every unit's input is held."""
 
 
 @dataclasses.dataclass
@@ -103,11 +99,11 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     if any(p.is_meta for p in model.parameters()):
         return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
     units = _units(model, plan)
-    _capture(model, plan, units, n)
+    capture_inputs(model, plan, units, n)
     if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
         # small enough to run whole: also proves how the units compose (the sequence-parallel
         # entry and exit, replicated layers between them), which no single unit shows
-        units.append(_Unit("", "model", inputs=_sample(model, plan, n)))
+        units.append(_Unit("", "model", inputs=sample_input(model, plan, n)))
     index = mesh.index(axis)
     results = []  # (unit, [(what, error, is_replicated_param_name or None)])
     for unit in units:
@@ -140,7 +136,7 @@ def _device(model: nn.Module) -> torch.device:
 def _units(model: nn.Module, plan: Any) -> list[_Unit]:
     modules = dict(model.named_modules())
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    region = set(_region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
+    region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
     seen: set = set()
     units = []
 
@@ -177,123 +173,11 @@ def _rel(path: str, root: str) -> str:
     return path if root == "" else ("" if path == root else path[len(root) + 1:])
 
 
-# -- inputs ------------------------------------------------------------------------------------
-def _seq_len(model: nn.Module, n: int) -> int:
-    cfg = getattr(model, "config", None)
-    limit = None
-    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
-        value = getattr(cfg, key, None) if cfg is not None else None
-        if isinstance(value, int) and value > 0:
-            limit = value
-            break
-    t = n * max(1, -(-4 // n))  # >= 4 tokens, divisible by the tensor axis (sequence parallelism splits it)
-    if limit is not None and t > limit:
-        t = max(n, limit // n * n)
-    return t
-
-
-def _sample(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
-    given = getattr(plan, "verify_input", None)
-    if given is not None:
-        args = given if isinstance(given, tuple) else (given,)
-        return args, {}
-    g = torch.Generator().manual_seed(_SEED)
-    t = _seq_len(model, n)
-    first = next((m for m in model.modules() if any(p is not None for p in m._parameters.values())), None)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if isinstance(first, nn.Embedding):
-        vocab = first.num_embeddings
-        cfg_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if isinstance(cfg_vocab, int) and 0 < cfg_vocab < vocab:
-            vocab = cfg_vocab
-        ids = torch.randint(0, vocab, (2, t), generator=g).to(device)
-        kwargs = {}
-        import inspect
-
-        try:
-            names = inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            names = {}
-        if "decoder_input_ids" in names:  # encoder-decoder (T5, BART): the decoder reads ids too
-            kwargs["decoder_input_ids"] = ids.clone()
-        return (ids,), kwargs
-    if isinstance(first, nn.Linear):
-        dtype = first.weight.dtype
-        return (torch.randn(2, t, first.in_features, generator=g).to(device, dtype),), {}
-    raise ShardingError(
-        f"shard(verify=True) runs one block of {type(model).__name__} sharded and unsharded to prove the tensor-parallel "
-        f"lowering exact, but cannot build a sample input for it (its first module with parameters is "
-        f"{type(first).__name__ if first is not None else 'none'}, not an Embedding or Linear). Fix: pass "
-        "verify_input=<a small example batch, the same on every rank> (a tensor or a tuple of positional arguments), "
-        "or verify=False to skip the check")
-
-
-def _capture(model: nn.Module, plan: Any, units: list[_Unit], n: int) -> None:
-    """Fill each unit's inputs: synthesized for embeddings and output layers, captured for blocks."""
-    g = torch.Generator().manual_seed(_SEED + 1)
-    t = _seq_len(model, n)
-    todo = {}
-    for unit in units:
-        m = model.get_submodule(unit.path) if unit.path else model
-        if unit.kind == "embedding":
-            unit.inputs = ((torch.randint(0, m.num_embeddings, (2, t), generator=g).to(m.weight.device),), {})
-        elif unit.kind == "output":
-            width = m.weight.shape[0] if type(m).__name__ == "Conv1D" else m.weight.shape[1]
-            unit.inputs = ((torch.randn(2, t, width, generator=g).to(m.weight.device, m.weight.dtype),), {})
-        else:
-            todo[unit.path] = unit
-    if not todo:
-        return
-    args, kwargs = _sample(model, plan, n)
-    handles = []
-
-    def hook(path):
-        def pre(module, a, k):
-            if todo[path].inputs is None:
-                todo[path].inputs = _tree(lambda x: x.detach().clone(), (a, k))
-            if all(u.inputs is not None for u in todo.values()):
-                raise _Stop
-        return pre
-
-    for path in todo:
-        m = model.get_submodule(path) if path else model
-        handles.append(m.register_forward_pre_hook(hook(path), with_kwargs=True))
-    was = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    except _Stop:
-        pass
-    except Exception as exc:
-        raise ShardingError(
-            f"shard(verify=True) runs {type(model).__name__} on a sample input to capture the inputs of its "
-            f"tensor-parallel blocks, and the forward raised {type(exc).__name__}: {exc}. Fix: pass "
-            "verify_input=<a small example batch, the same on every rank>, or verify=False to skip the check") from exc
-    finally:
-        for h in handles:
-            h.remove()
-        for m, mode in was:
-            m.training = mode
-
-
-def _tree(fn, obj):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_tree(fn, o) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_tree(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _tree(fn, v) for k, v in obj.items()}
-    return obj
-
-
 # -- one unit ----------------------------------------------------------------------------------
 def _randomize(module: nn.Module) -> None:
     """Same random float64 weights on every rank: norms near 1, other vectors near 0, matrices
     scaled by 1/sqrt(fan-in) so activations stay O(1)."""
-    g = torch.Generator().manual_seed(_SEED + 2)
+    g = torch.Generator().manual_seed(SEED + 2)
     with torch.no_grad():
         for mname, m in module.named_modules():
             for pname, p in m._parameters.items():
@@ -347,8 +231,8 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
                for name, p in ref.named_parameters() if p.requires_grad]
 
     def run(module, split):
-        args, kwargs = _tree(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
-        args, kwargs = _tree(lambda x: x.clone(), (args, kwargs))
+        args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
+        args, kwargs = tree_map(lambda x: x.clone(), (args, kwargs))
         first = _first_float(args, kwargs)
         if first is not None:
             if split:
@@ -359,7 +243,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         return first, out
 
     x_ref, y_ref = run(ref, False)
-    g = torch.Generator().manual_seed(_SEED + 3)
+    g = torch.Generator().manual_seed(SEED + 3)
     cot = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(y_ref.device, y_ref.dtype)
     (y_ref * cot).sum().backward()
     scale = max([float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel()] + [0.0])
@@ -401,7 +285,7 @@ def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
     if unit.kind not in ("block", "model"):
         return torch.float64
     probe = copy.deepcopy(module).double()
-    args, kwargs = _tree(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
+    args, kwargs = tree_map(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
     try:
         with torch.no_grad():
             probe(*args, **kwargs)
@@ -490,13 +374,13 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
     out = {}
     for module, split in ((ref, False), (shd, unit.split_in)):
-        args, kwargs = _tree(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
+        args, kwargs = tree_map(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
         first = _first_float(args, kwargs)
         if first is not None and split:
             args, kwargs = _put_first_float(args, kwargs, _split(first, n, index).clone())
         y = _first_tensor(module(*args, **kwargs))
         cot = torch.randn(y.shape if not (split and unit.split_out) else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
-                          generator=torch.Generator().manual_seed(_SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
+                          generator=torch.Generator().manual_seed(SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
         if split and unit.split_out:
             cot = _split(cot, n, index)
         (y * cot).sum().backward()
