@@ -97,3 +97,33 @@ def test_other_layouts_are_exact_or_refused(family, layout, sp):
         assert exc.exc_type == "ShardingError", exc
         assert set(exc.errors) == {0, 1}, exc.errors  # refused on every rank
         assert "Fix" in exc.message or "Likely cause" in exc.message, exc.message
+
+
+def test_t5_layout_is_refused_naming_the_per_head_position_bias():
+    """T5's relative position bias holds a column per global head: refused with that named."""
+    with pytest.raises(WorkerError) as info:
+        _run("t5", MEGATRON["t5"], False)
+    assert info.value.exc_type == "ShardingError"
+    assert "relative_attention_bias.weight (8, 4) (one entry per head of all 4, replicated)" in info.value.message
+
+
+def test_opt_under_sdpa_is_exact():
+    """OPT's attention reshapes by self.num_heads; under sdpa (HF 5.x's default, no mask to trip on)
+    the global count trained silently wrong on 59e6484. The lowering sets it to the local count."""
+    from hf_zoo import with_attention
+
+    make_model, make_batch, loss_fn = FAMILIES["opt"]
+    make = with_attention(make_model, "sdpa")
+    preset = hf_preset(make())
+    assert_equivalent(make, {"tp": 2}, preset.specs, make_batch(2), steps=3, loss_fn=loss_fn,
+                      optimizer_kwargs={"lr": 1e-3}, **preset.options)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_preset_with_zero3_over_dp_and_sequence_parallel(family):
+    """dp=2 x tp=2, ZeRO-3 over dp, sequence parallel: the verification runs before ZeRO packs."""
+    make_model, make_batch, loss_fn = FAMILIES[family]
+    preset = _preset(family)
+    assert_equivalent(make_model, {"dp": 2, "tp": 2}, preset.specs, make_batch(4), steps=3, zero_stage=3,
+                      sequence_parallel=True, chunk_size=500, loss_fn=loss_fn, optimizer_kwargs={"lr": 1e-3},
+                      **preset.options)

@@ -41,7 +41,7 @@ from .tensor import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear,
                      sum_grad_over)
 from .tensor_rules import head_counts
 
-__all__ = ["lower_tensor_parallel"]
+__all__ = ["lower_tensor_parallel", "LOCALIZED"]
 
 
 def _replace_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -124,6 +124,9 @@ _COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_ke
                 "n_kv_heads", "num_kv")
 _WIDTH_ATTRS = ("embed_dim", "inner_dim", "all_head_size", "hidden_size", "hidden_size_per_partition", "d_inner",
                 "kv_dim", "q_dim")
+
+
+LOCALIZED = frozenset(_COUNT_ATTRS + _WIDTH_ATTRS)  # attribute names the lowering sets to this rank's value
 
 
 def _local_head_counts(parent: nn.Module, n: int) -> None:

@@ -95,7 +95,7 @@ def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
                     return value
         return None
 
-    return (first("head_dim", "head_size"), first("num_heads", "n_head", "num_attention_heads"),
+    return (first("head_dim", "head_size", "key_value_proj_dim", "d_kv"), first("num_heads", "n_head", "n_heads", "num_attention_heads"),
             first("num_key_value_heads", "num_kv_heads", "n_kv_head"))
 
 

@@ -43,7 +43,7 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from ..spec import shard_range
-from .tensor_lower import lower_tensor_parallel
+from .tensor_lower import LOCALIZED, lower_tensor_parallel
 from .tensor_rules import region_blocks, head_counts, is_attention
 from .tensor_verify_inputs import SEED, capture_inputs, sample_input, tree_map
 
@@ -414,7 +414,7 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
                           "through super().forward(ids): it reads this rank's rows as the whole table")
         hints = _global_sizes(m, [_rel(l.path, unit.path) for l in plan.tp_layers if _inside(l.path, unit.path)])
         if hints and unit.kind == "block":
-            causes.append(f"attributes that may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
+            causes.append(f"what may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
         if unit.split_in:
             mixers = [p for p, c in m.named_modules() if is_attention(c) and not any(
                 _inside(l.path, _join(unit.path, p)) for l in plan.tp_layers)]
@@ -439,7 +439,13 @@ def _global_sizes(m: nn.Module, split: list[str]) -> list[str]:
         if not is_attention(c) or not any(_inside(s_, path) and s_ != path for s_ in split):
             continue
         head_dim, heads, kv = head_counts(c)
+        for pname, prm in c.named_parameters():
+            owner = _join(path, pname.rpartition(".")[0])
+            if heads and heads in tuple(prm.shape) and not any(_inside(s_, owner) and s_ == owner for s_ in split):
+                out.append(f"{_join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
         for k, v in vars(c).items():
+            if k in ("head_dim", "head_size", "key_value_proj_dim", "d_kv", "num_key_value_groups") or k in LOCALIZED:
+                continue  # per-head sizes and ratios are the same on every rank; the lowering made these local
             if isinstance(v, int) and not isinstance(v, bool) and heads and v in (heads, kv or -1, heads * (head_dim or 0)):
                 out.append(f"{_join(path, k)}={v}")
     return out
