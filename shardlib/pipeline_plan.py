@@ -33,6 +33,7 @@ import torch
 from .errors import ShardingError
 from .lowering import lower
 from .mesh.mesh import AbstractMesh
+from .models.hf import is_hf_model
 from .parallel.pipeline import Stage, partition
 from .parallel.schedules import Simulation, bubble_fraction, build_schedule, format_grid, simulate
 from .state_names import model_state_names
@@ -281,7 +282,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     Raises:
         ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
             stage; schedule sizes the schedule does not support; fewer layers than stages or
-            bad split points; under ``sequence_parallel``, a layout that would not be exact: the
+            bad split points; under ``sequence_parallel``, a Hugging Face model (its pipeline
+            layers build masks and positions from each layer's input), or a layout that would not be exact: the
             entry not on the first stage, an output layer or ``sp_exit`` not on the last, no
             output layer and no ``sp_exit`` (the output would stay split along the sequence), or
             a pp rank holding no tensor-parallel layer. All before any communication.
@@ -295,6 +297,13 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     split_points = options.pop("split_points", None)
     build_schedule(schedule, p, m, v)  # checks the sizes
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
+        raise ShardingError(
+            f"sequence_parallel=True on the pipeline mesh {dict(mesh.shape)}: {type(model).__name__}'s pipeline layers "
+            "build masks and rotary positions from the length of each decoder layer's input, which inside the "
+            "sequence-parallel region is a sequence shard, so they would not match the attention's whole sequence. "
+            "Fix: drop sequence_parallel (tensor parallelism inside each stage works without it), or drop the pp axis"
+        )
     modules = [partition(model, r, p, v, split_points) for r in range(p)]
     layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
     sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))

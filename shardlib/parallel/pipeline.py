@@ -45,20 +45,26 @@ __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_
 
 
 def pipeline_layers(model: nn.Module) -> list:
-    """``[(name, {path: module}, fn(get, x))]`` for ``model``: its own ``pipeline_layers()``, or
-    the children of an ``nn.Sequential``.
+    """``[(name, {path: module}, fn(get, x))]`` for ``model``: its own ``pipeline_layers()``, the
+    children of an ``nn.Sequential``, or for a Hugging Face decoder-only causal LM (a ``config``
+    with a ``model_type``) :func:`shardlib.models.hf.hf_pipeline_layers`.
 
     Raises:
-        ShardingError: the model offers neither.
+        ShardingError: the model offers none of these (for a Hugging Face model: a model type or
+            structure the Hugging Face layers do not cover, naming what is missing).
     """
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers()
     if isinstance(model, nn.Sequential):
         return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model.named_children()]
+    from ..models.hf import hf_pipeline_layers, is_hf_model
+
+    if is_hf_model(model):
+        return hf_pipeline_layers(model)
     raise ShardingError(
         f"pipeline parallelism needs the forward pass as ordered layers: {type(model).__name__} is not an nn.Sequential "
-        "and has no pipeline_layers() method (Hugging Face models have none: shardlib has no pipeline path for them). "
-        "Fix: give the model a pipeline_layers() method (see shardlib.models.GPT.pipeline_layers), or drop the pp axis"
+        "and has no pipeline_layers() method. Fix: give the model a pipeline_layers() method (see "
+        "shardlib.models.GPT.pipeline_layers), or drop the pp axis"
     )
 
 
@@ -72,7 +78,8 @@ class Stage(nn.Module):
         super().__init__()
         self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
         self.chunk_layers = [[name for name, _, _ in layers] for layers in chunks]  # layer names of each chunk
-        self.chunk_paths = [[path for _, mods, _ in layers for path in mods] for layers in chunks]  # module paths
+        # module paths, each once (a module several layers use, like a rotary embedding, is registered once)
+        self.chunk_paths = [list(dict.fromkeys(path for _, mods, _ in layers for path in mods)) for layers in chunks]
         self.chunk_bytes = []  # parameter bytes of each chunk, a shared tensor counted once
         for layers in chunks:
             unique = {id(p): p for _, mods, _ in layers for m in mods.values() for p in m.parameters()}
