@@ -155,6 +155,30 @@ class PipelinePlan:
     def sequence_parallel(self) -> bool:
         return self.whole.sequence_parallel
 
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """The dtype of the activations sent between stages: the compute dtype (``param_dtype``),
+        else the first floating parameter's."""
+        whole = self.whole
+        return whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
+
+    def boundary_shape(self, rows: int, seq: int) -> tuple[int, int, int] | None:
+        """Shape of one transfer between stages: a microbatch's activation, or its gradient.
+
+        Args:
+            rows: rows of one microbatch on one rank (``local batch / m``).
+            seq: its sequence length, before any sequence split.
+
+        Returns:
+            ``(rows, seq / tp, width)`` under sequence parallelism (the sequence shard),
+            ``(rows, seq, width)`` otherwise; None if the width is unknown.
+        """
+        if self.activation_width is None:
+            return None
+        whole = self.whole
+        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
+        return (rows, -(-seq // parts), self.activation_width)
+
     def boundary_bytes(self, tokens: int) -> int | None:
         """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
 
@@ -166,12 +190,8 @@ class PipelinePlan:
             ``tokens / tp * width * element size`` under sequence parallelism (the sequence
             shard), ``tokens * width * element size`` otherwise; None if the width is unknown.
         """
-        if self.activation_width is None:
-            return None
-        whole = self.whole
-        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
-        dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
-        return -(-tokens // parts) * self.activation_width * dtype.itemsize
+        shape = self.boundary_shape(1, tokens)
+        return None if shape is None else shape[1] * shape[2] * self.boundary_dtype.itemsize
 
     def transfers_per_step(self, rank: int) -> int:
         """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of

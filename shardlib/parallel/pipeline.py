@@ -178,6 +178,9 @@ class PipelineRunner:
         self.n_stages = self.p * self.v
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
+        # torch's fake group (a dry run in one process): sends complete at once and count their
+        # bytes, receives return zeros of the planned shape (their header never arrives)
+        self.fake = getattr(mesh, "fake", False)
         self.tied = tied  # [(name, param or None, numel, dtype)] in a fixed order on every rank
         self.timeline: list[tuple[str, float, float]] = []
         self.runs = 0  # schedules run (forward_backward and evaluate), the same count on every stage
@@ -211,7 +214,12 @@ class PipelineRunner:
                             f"{what} of stage {stage} microbatch {mb} of {'a training step' if self.training else 'evaluate'} "
                             f"{'to' if kind == 'send' else 'from'} rank {peer}")
 
-    def _recv(self, stage: int, mb: int, grad: bool) -> torch.Tensor:
+    def _recv(self, stage: int, mb: int, grad: bool, like: tuple) -> torch.Tensor:
+        """The activation (or gradient) stage ``stage`` receives for microbatch ``mb``; ``like``:
+        ``(shape, dtype)`` the sender sends, used on a fake group only, where nothing arrives."""
+        if self.fake:
+            shape, dtype = like
+            return torch.zeros(shape, dtype=dtype)
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
         sender_stage = stage + (1 if grad else -1)
         tag = self._tag(sender_stage, mb, grad)
@@ -241,6 +249,15 @@ class PipelineRunner:
                     f"{tuple(x.shape)}) over {axis!r} (size {n}), and every stage passes on its shard, but the length "
                     f"does not divide by {n} (mesh {self.mesh.shape}). Fix: use a sequence length divisible by {n}"
                 )
+        pplan = self.smodel.pipeline_plan
+        if self.fake and (pplan.activation_width is None or x.dim() < 2):  # every rank, before any transfer
+            missing = (f"the width of {pplan.model_name} is unknown (no config.hidden_size, n_embd or d_model)"
+                       if pplan.activation_width is None else f"the local batch {tuple(x.shape)} has no sequence dimension")
+            raise ShardingError(
+                "forward_backward on torch's fake process group: a fake receive fills no buffer, so each stage receives "
+                f"zeros of the planned boundary shape (rows per microbatch, sequence, width), but {missing}. Fix: dry-run "
+                "a model with such a config and a (batch, seq) input, or use a real process group"
+            )
         self.runs += 1
         self.training = backward
         last = self.n_stages - 1
@@ -261,7 +278,12 @@ class PipelineRunner:
         for a in actions:
             chunk = a.stage // self.p
             if a.kind == "F":
-                inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
+                if a.stage == 0:
+                    inp = xs[a.microbatch]
+                else:
+                    planned = ((pplan.boundary_shape(*xs[a.microbatch].shape[:2]), pplan.boundary_dtype)
+                               if self.fake else None)
+                    inp = self._recv(a.stage, a.microbatch, False, planned).requires_grad_(backward)
                 start = time.perf_counter()  # compute only: waiting for the input is idle time
                 with self.smodel.no_sync(), drops.forward(a.microbatch):
                     out = self.smodel(chunk, inp)
@@ -280,7 +302,7 @@ class PipelineRunner:
             else:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
-                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True)
+                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True, (out.shape, out.dtype))
                 start = time.perf_counter()
                 with self.smodel.no_sync():
                     torch.autograd.backward(out, grad)
