@@ -187,6 +187,29 @@ def test_sequence_parallel_is_refused_for_hf_pipelines():
                       sequence_parallel=True)
 
 
+def test_llama_70b_plans_on_an_abstract_mesh_with_pp():
+    """LLaMA-70B shapes (meta device) on pp8 x dp16 x tp8, 1F1B, 32 microbatches, ZeRO-1: a value,
+    no process group; every pp rank's model state equals the closed formula exactly."""
+    cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                   num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                                   tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    pplan = shardlib.plan(model, AbstractMesh({"pp": 8, "dp": 16, "tp": 8}), llama_preset().specs, microbatches=32,
+                          schedule="1f1b", zero_stage=1, init_rules={"*norm.weight": ("ones",), "*": ("normal", 0.02)})
+    C, F, KV, V, tp, dp = 8192, 28672, 8 * 128, 32000, 8, 16
+    layer = (2 * C * C + 2 * C * KV + 3 * C * F) // tp + 2 * C  # q, o, k, v, gate, up, down split; 2 norms whole
+    stage = [10 * layer for _ in range(8)]  # 80 layers, 10 per stage
+    stage[0] += V * C // tp  # vocabulary-parallel embedding
+    stage[7] += V * C // tp + C  # LM head, final norm
+    assert [len(layers) for layers in pplan.stage_layers] == [11] + [10] * 6 + [11]
+    for r, st in enumerate(pplan.stages):
+        assert (st.param_bytes, st.grad_bytes) == (4 * stage[r], 4 * stage[r])  # fp32, whole on each dp rank
+        assert st.optimizer_bytes == 2 * 4 * stage[r] // dp  # AdamW's 2 states, ZeRO-1 over dp
+    assert pplan.stages[1].model_state_bytes == 9_092_546_560  # 8.47 GiB per rank on stages 1-6
+    assert pplan.boundary_bytes(tokens=4096) == 4096 * C * 4
+
+
 # -- tier 2: pipelines on worker processes equal one process -------------------------------------
 def _equivalent(make, shape, specs=None, rows=8, **options):
     return assert_equivalent(make, shape, specs, _batch(rows), steps=3, loss_fn=lm_loss,
