@@ -176,8 +176,21 @@ def test_unknown_structures_are_refused():
     qwen2.config.layer_types = ["full_attention", "linear_attention"] + qwen2.config.layer_types[2:]
     with pytest.raises(ShardingError, match=r"decoder layer 1 has layer type 'linear_attention'"):
         shardlib.plan(qwen2, AbstractMesh({"pp": 2}), microbatches=2)
+    llama = make_llama()
+    llama.model.layers = torch.nn.Sequential(*llama.model.layers)
+    with pytest.raises(ShardingError, match=r"LlamaForCausalLM: model.layers is a Sequential, not the ModuleList"):
+        shardlib.plan(llama, AbstractMesh({"pp": 2}), microbatches=2)
     with pytest.raises(ShardingError, match=r"Module is not an nn.Sequential and has no pipeline_layers\(\) method"):
         shardlib.plan(torch.nn.Module(), AbstractMesh({"pp": 2}), microbatches=2)
+
+
+def test_equivalence_harness_needs_a_loss_on_pipelines():
+    """Refused before any worker runs: a pipeline step has one input, labels and a criterion."""
+    with pytest.raises(ShardingError, match=r"assert_equivalent on the pipeline mesh \{'pp': 2\}: .* needs "
+                                            r"loss_fn= \(got None\), a batch \(x, y\) \(got 2 tensors\)"):
+        assert_equivalent(make_llama, {"pp": 2}, None, _batch(4), microbatches=2)
+    with pytest.raises(ShardingError, match=r"\(got 3 tensors\) and accum_steps=1 \(got 1\)"):
+        assert_equivalent(make_llama, {"pp": 2}, None, _batch(4) + (_batch(4)[0],), loss_fn=lm_loss, microbatches=2)
 
 
 def test_sequence_parallel_is_refused_for_hf_pipelines():

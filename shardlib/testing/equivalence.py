@@ -68,12 +68,13 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
             losses, _ = smodel.forward_backward(local[0], criterion=harness["loss_fn"], labels=tuple(local[1:]))
             if losses is not None:  # the last stage: the mean of equal microbatches' mean losses
                 total += torch.stack(losses).double().mean()
-        for i, mb in enumerate(micro if not pipeline else ()):
-            ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
-                loss.backward()
-            total += loss.detach().double()
+        else:
+            for i, mb in enumerate(micro):
+                ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
+                    loss.backward()
+                total += loss.detach().double()
         comm_bwd = mesh.comm.exact_bytes()
         mesh.comm.enabled = False
         global_loss = total.reshape(1).clone()
@@ -157,7 +158,8 @@ def assert_equivalent(
 
     Returns:
         A report: ``{"losses": [(sharded, single), ...], "max_rel": {...}, "comm": [...],
-        "plan": Plan, "explain": str}``.
+        "plan": Plan, "explain": str}`` (on a pipeline mesh the plan is the
+        :class:`~shardlib.pipeline_plan.PipelinePlan`).
 
     Raises:
         AssertionError: a loss, gradient, norm or parameter differs beyond tolerance, or the
@@ -187,16 +189,16 @@ def assert_equivalent(
 
     torch.manual_seed(harness["seed"])
     probe = make_plan(make_model(), AbstractMesh(mesh_shape), specs, **options)  # errors early, here
+    batch = tuple(batch)
     if hasattr(probe, "whole"):  # a pipeline: one input, labels after it, the loss from loss_fn
         if harness["loss_fn"] is None or harness["accum_steps"] != 1 or len(batch) != 2:
             raise ShardingError(
                 f"assert_equivalent on the pipeline mesh {mesh_shape}: a pipeline step is forward_backward(x, "
-                "criterion=loss_fn, labels=(y,)), so it needs loss_fn=, a batch (x, y) (got "
-                f"{len(tuple(batch))} tensors) and accum_steps=1 (got {harness['accum_steps']})"
+                f"criterion=loss_fn, labels=(y,)), so it needs loss_fn= (got {harness['loss_fn']!r}), a batch (x, y) "
+                f"(got {len(batch)} tensors) and accum_steps=1 (got {harness['accum_steps']})"
             )
         probe = probe.whole
     data = probe.data_size * harness["accum_steps"]
-    batch = tuple(batch)
     if batch[0].shape[0] % data:
         raise ShardingError(
             f"assert_equivalent: the batch of {batch[0].shape[0]} rows does not split evenly over "
