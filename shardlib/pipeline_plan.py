@@ -33,6 +33,7 @@ import torch
 from .errors import ShardingError
 from .lowering import lower
 from .mesh.mesh import AbstractMesh
+from .models.hf import is_hf_model
 from .parallel.pipeline import Stage, partition
 from .parallel.schedules import Simulation, bubble_fraction, build_schedule, simulate
 from .state_names import model_state_names
@@ -154,6 +155,30 @@ class PipelinePlan:
     def sequence_parallel(self) -> bool:
         return self.whole.sequence_parallel
 
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """The dtype of the activations sent between stages: the compute dtype (``param_dtype``),
+        else the first floating parameter's."""
+        whole = self.whole
+        return whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
+
+    def boundary_shape(self, rows: int, seq: int) -> tuple[int, int, int] | None:
+        """Shape of one transfer between stages: a microbatch's activation, or its gradient.
+
+        Args:
+            rows: rows of one microbatch on one rank (``local batch / m``).
+            seq: its sequence length, before any sequence split.
+
+        Returns:
+            ``(rows, seq / tp, width)`` under sequence parallelism (the sequence shard),
+            ``(rows, seq, width)`` otherwise; None if the width is unknown.
+        """
+        if self.activation_width is None:
+            return None
+        whole = self.whole
+        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
+        return (rows, -(-seq // parts), self.activation_width)
+
     def boundary_bytes(self, tokens: int) -> int | None:
         """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
 
@@ -165,12 +190,8 @@ class PipelinePlan:
             ``tokens / tp * width * element size`` under sequence parallelism (the sequence
             shard), ``tokens * width * element size`` otherwise; None if the width is unknown.
         """
-        if self.activation_width is None:
-            return None
-        whole = self.whole
-        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
-        dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
-        return -(-tokens // parts) * self.activation_width * dtype.itemsize
+        shape = self.boundary_shape(1, tokens)
+        return None if shape is None else shape[1] * shape[2] * self.boundary_dtype.itemsize
 
     def transfers_per_step(self, rank: int) -> int:
         """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
@@ -255,7 +276,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     Raises:
         ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
             stage; schedule sizes the schedule does not support; fewer layers than stages or
-            bad split points; under ``sequence_parallel``, a layout that would not be exact: the
+            bad split points; under ``sequence_parallel``, a Hugging Face model (its pipeline
+            layers build masks and positions from each layer's input), or a layout that would not be exact: the
             entry not on the first stage, an output layer or ``sp_exit`` not on the last, no
             output layer and no ``sp_exit`` (the output would stay split along the sequence), or
             a pp rank holding no tensor-parallel layer. All before any communication.
@@ -269,6 +291,13 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     split_points = options.pop("split_points", None)
     build_schedule(schedule, p, m, v)  # checks the sizes
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
+        raise ShardingError(
+            f"sequence_parallel=True on the pipeline mesh {dict(mesh.shape)}: {type(model).__name__}'s pipeline layers "
+            "build masks and rotary positions from the length of each decoder layer's input, which inside the "
+            "sequence-parallel region is a sequence shard, so they would not match the attention's whole sequence. "
+            "Fix: drop sequence_parallel (tensor parallelism inside each stage works without it), or drop the pp axis"
+        )
     modules = [partition(model, r, p, v, split_points) for r in range(p)]
     layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
     sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))

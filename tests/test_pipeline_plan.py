@@ -133,14 +133,18 @@ def test_sequence_parallel_allowed_layouts():
     assert pplan.boundary_bytes(16) == 8 * 16 * 4
 
 
-def test_hugging_face_models_have_no_pipeline_path():
+def test_hugging_face_pipelines_refuse_sequence_parallel():
+    """HF models pipeline (shardlib.models.hf, tests/test_hf_pipeline.py), but not under sequence
+    parallelism: their layers build masks and positions from each layer's input length."""
     transformers = pytest.importorskip("transformers")
     from shardlib.models import llama_preset
 
     cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    with pytest.raises(ShardingError, match="LlamaForCausalLM is not an nn.Sequential and has no pipeline_layers.*Hugging Face"):
+    with pytest.raises(ShardingError, match="LlamaForCausalLM's pipeline layers build masks and rotary positions"):
         shardlib.plan(transformers.LlamaForCausalLM(cfg), PP2_TP2, llama_preset().specs, **SP)
+    assert shardlib.plan(transformers.LlamaForCausalLM(cfg), PP2_TP2, llama_preset().specs,
+                         **dict(SP, sequence_parallel=False)).stage_layers[1][-1] == "head"
 
 
 def _refused_on_every_rank(case):
