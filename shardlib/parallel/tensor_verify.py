@@ -96,6 +96,8 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     n = mesh.size(axis)
     if n == 1:
         return None
+    if getattr(mesh, "fake", False):
+        return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0}
     if any(p.is_meta for p in model.parameters()):
         return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
     units = _units(model, plan)
