@@ -83,7 +83,9 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
 
     Returns:
         ``{"units": [paths checked], "skipped": reason or None, "max_error": float}``, or None when
-        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``).
+        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``). The check's
+        collectives are not counted in ``mesh.comm`` (they are not the training's); they appear in
+        the collective trace (the agreement on the verdict noted ``verify``).
 
     Raises:
         ShardingError: a unit whose sharded output or gradients differ from the unsharded ones
@@ -98,6 +100,15 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
         return None
     if getattr(mesh, "fake", False):
         return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0}
+    counter = mesh.comm
+    enabled, counter.enabled = counter.enabled, False  # the check's traffic is not the training's
+    try:
+        return _verify(model, plan, mesh, axis, n)
+    finally:
+        counter.enabled = enabled
+
+
+def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
     units = _units(model, plan)
     capture_inputs(model, plan, units, n)
     if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
