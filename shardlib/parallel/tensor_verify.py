@@ -82,7 +82,8 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
         mesh: the :class:`~shardlib.mesh.Mesh`.
 
     Returns:
-        ``{"units": [paths checked], "skipped": reason or None, "max_error": float}``, or None when
+        ``{"units": [paths checked], "skipped": reason or None, "max_error": float, "unreached":
+        [units the sample forward never called (not checked)]}``, or None when
         there is nothing to verify (no tensor axis of size > 1, or ``verify=False``). The check's
         collectives are not counted in ``mesh.comm`` (they are not the training's); they appear in
         the collective trace (the agreement on the verdict noted ``verify``).
@@ -99,7 +100,8 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     if n == 1:
         return None
     if getattr(mesh, "fake", False):
-        return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0}
+        return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0,
+                "unreached": []}
     counter = mesh.comm
     enabled, counter.enabled = counter.enabled, False  # the check's traffic is not the training's
     try:
@@ -135,7 +137,8 @@ def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
     if failures:
         partial = _partial_sums(model, plan, mesh, axis, failures)
         raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
-    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0)}
+    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0),
+            "unreached": [u.path for u in units if u.inputs is None]}
 
 
 # -- which units -------------------------------------------------------------------------------
