@@ -12,7 +12,6 @@ design); then cost the result (model-state bytes per rank, communicated bytes pe
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,8 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
-from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params, tensor_split
+from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
+                                    tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHUNK_SIZE"]
@@ -36,7 +36,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHU
 class Plan:
     """A checked sharding plan: one :class:`ParamPlan` per parameter, chunks, costs.
 
-    ``str(plan)`` / ``plan.explain()`` print the per-parameter table and the totals; the cost
+    ``str(plan)`` / ``plan.explain()`` print the totals, then the per-parameter table; the cost
     figures are per rank: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (model states
     that persist between steps) and ``comm_per_step()`` (logical ring bytes by axis and kind,
     see :mod:`shardlib.mesh.comm`).
@@ -229,17 +229,20 @@ class Plan:
         return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self, tokens: int | None = None) -> str:
-        """The plan as text: a row per parameter, the tensor-parallel layers with their
-        collectives, then memory and communication totals (see :func:`shardlib.explain.explain`).
+    def explain(self, tokens: int | None = None, full: bool = False) -> str:
+        """The plan as text: the summary first (memory per rank, communication per step by axis
+        and kind, bytes per strategy, the largest tensors, one line per repeated block), then a
+        row per parameter, then the tensor-parallel layers (see :func:`shardlib.explain.explain`).
 
         Args:
             tokens: tokens per micro-batch per rank; when given, activation collectives of
                 tensor/sequence parallelism are included in the per-step totals.
+            full: every parameter's row even in a long table (more than 60 rows folds each
+                repeated block into one row per pattern by default).
         """
         from .explain import explain
 
-        return explain(self, tokens)
+        return explain(self, tokens, full)
 
     def __str__(self) -> str:
         return self.explain()
@@ -461,7 +464,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
         if sequence_parallel else ("", "", split_region_params(model, tp_layers))
     )
-    sp_grad_params = _with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
+    sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
 
     param_plans = []
@@ -509,29 +512,3 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         verify_input=options.get("verify_input"),
         mesh=mesh,
     )
-
-
-def _with_sum_globs(model: torch.nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
-    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
-    are summed over the tensor axis: used on split activations).
-
-    Raises:
-        ShardingError: a glob that matches no parameter; one matching a parameter split over the
-            tensor axis (its gradient is a slice, not a partial sum).
-    """
-    if not globs:
-        return names
-    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
-    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
-    out = list(names)
-    for pattern in globs:
-        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
-        bad = [n for n in hits if n in split]
-        if bad:
-            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
-                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
-        out += hits
-    return tuple(dict.fromkeys(out))
-

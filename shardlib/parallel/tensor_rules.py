@@ -32,7 +32,8 @@ from ..plan_items import fused_blocks
 from ..spec import PartitionSpec
 
 __all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout", "split_region_params",
-           "is_attention", "head_counts"]
+           "is_attention", "head_counts", "region_blocks",
+           "with_sum_globs"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
                     return value
         return None
 
-    return (first("head_dim", "head_size"), first("num_heads", "n_head", "num_attention_heads"),
+    return (first("head_dim", "head_size", "key_value_proj_dim", "d_kv"), first("num_heads", "n_head", "n_heads", "num_attention_heads"),
             first("num_key_value_heads", "num_kv_heads", "n_kv_head"))
 
 
@@ -324,8 +325,10 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     Entry default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the
     first block of the longest ``ModuleList`` (the decoder layers: LLaMA), so masks and positions
     are built on the whole sequence before the split. Exit: a module whose output is gathered
-    along the sequence (GPT-2's ``ln_f``); default none (the output layer gathers). Norm weights
-    and row-layer biases run on sequence shards, so their gradients are partial sums.
+    along the sequence (GPT-2's ``ln_f``); default none when a tensor-parallel output layer (the
+    LM head) gathers, else the last block. Every replicated parameter of the blocks, the norms
+    after them up to the gather, and row-layer biases run on sequence shards, so their gradients
+    are partial sums.
 
     Raises:
         ShardingError: an entry or exit that is not a module; no entry found.
@@ -348,13 +351,23 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
             )
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     split = _tp_param_names(tp_layers)
-    blocks = _region_blocks(modules, entry)
+    blocks = region_blocks(modules, entry)
+    if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
+        exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
+    container = blocks[0].rpartition(".")[0].rpartition(".")[0] if blocks else None  # the blocks' list's parent
     names = []
     for mname, module in model.named_modules():
+        in_block = any(mname == b or mname.startswith(b + ".") for b in blocks)
+        # a norm outside the blocks runs on sequence shards if it follows them, before the gather
+        # (the output layer's, with no exit; or the exit's own output, GPT-2's ln_f): the final
+        # norm next to the block list (LLaMA's model.norm, OPT's decoder.final_layer_norm, which
+        # OPT registers before its layers); a norm of the embeddings (BLOOM's) runs before them
+        final_norm = (container is not None and mname.rpartition(".")[0] == container
+                      and "emb" not in mname.rpartition(".")[2])
+        loose_norm = ("Norm" in type(module).__name__ and not in_block
+                      and (mname == exit_ or (exit_ is None and final_norm)))
         for pname, prm in module.named_parameters(prefix=mname, recurse=False):
-            in_block = any(pname.startswith(b + ".") for b in blocks)
-            if prm.requires_grad and pname not in split and (
-                    "Norm" in type(module).__name__ or pname in row_biases or in_block):
+            if prm.requires_grad and pname not in split and (in_block or loose_norm or pname in row_biases):
                 names.append(pname)
     return entry, exit_ or "", tuple(dict.fromkeys(names))
 
@@ -369,7 +382,7 @@ def _tp_param_names(tp_layers) -> set[str]:
     return out
 
 
-def _region_blocks(modules: dict, entry: str) -> list[str]:
+def region_blocks(modules: dict, entry: str) -> list[str]:
     """The blocks that run inside the sequence-parallel region: the entry block and those after
     it in its ``ModuleList`` (LLaMA's ``model.layers.0`` onward), or, for an entry that is not a
     block (GPT-2's ``drop``), every block of the longest ``ModuleList``."""
@@ -405,3 +418,30 @@ def split_region_params(model: nn.Module, tp_layers) -> tuple[str, ...]:
             if prm.requires_grad and pname not in split:
                 names.append(pname)
     return tuple(dict.fromkeys(names))
+
+
+def with_sum_globs(model: nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
+    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
+    are summed over the tensor axis: used on split activations).
+
+    Raises:
+        ShardingError: a glob that matches no parameter; one matching a parameter split over the
+            tensor axis (its gradient is a slice, not a partial sum).
+    """
+    if not globs:
+        return names
+    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
+    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
+    out = list(names)
+    for pattern in globs:
+        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
+        bad = [n for n in hits if n in split]
+        if bad:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
+                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
+        out += hits
+    return tuple(dict.fromkeys(out))
+
+

@@ -43,8 +43,9 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from ..spec import shard_range
-from .tensor_lower import lower_tensor_parallel
-from .tensor_rules import _region_blocks, head_counts, is_attention
+from .tensor_lower import LOCALIZED, lower_tensor_parallel
+from .tensor_rules import region_blocks, head_counts, is_attention
+from .tensor_verify_inputs import SEED, capture_inputs, run_device, sample_input, tree_map
 
 __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 
@@ -55,17 +56,14 @@ __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 # issue 14 shows at >= 3e-2 (a lost embedding scale 0.75, partial-sum gradients 0.5-0.9, a
 # misplaced all-reduce 0.7). 1e-5 sits two decades from both.
 TOLERANCE = 1e-5
-_SEED = 20261201
-
-
-class _Stop(Exception):
-    """Raised by the capture hooks once every unit's input is held."""
+# models up to this many parameters are also checked whole (three float64 copies: 480 MB at the limit)
+WHOLE_MODEL_LIMIT = 20_000_000
 
 
 @dataclasses.dataclass
 class _Unit:
     path: str
-    kind: str  # "block", "embedding", "output"
+    kind: str  # "block", "embedding", "output", "model" (the whole model, when small)
     split_in: bool = False  # sequence-parallel: the input arrives split along dim 1
     split_out: bool = False  # ... and the output leaves split
     inputs: tuple | None = None  # (args, kwargs), captured or synthesized
@@ -84,8 +82,11 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
         mesh: the :class:`~shardlib.mesh.Mesh`.
 
     Returns:
-        ``{"units": [paths checked], "skipped": reason or None, "max_error": float}``, or None when
-        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``).
+        ``{"units": [paths checked], "skipped": reason or None, "max_error": float, "unreached":
+        [units the sample forward never called (not checked)]}``, or None when
+        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``). The check's
+        collectives are not counted in ``mesh.comm`` (they are not the training's); they appear in
+        the collective trace (the agreement on the verdict noted ``verify``).
 
     Raises:
         ShardingError: a unit whose sharded output or gradients differ from the unsharded ones
@@ -98,10 +99,24 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     n = mesh.size(axis)
     if n == 1:
         return None
-    if any(p.is_meta for p in model.parameters()):
-        return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
+    if getattr(mesh, "fake", False):
+        return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0,
+                "unreached": []}
+    counter = mesh.comm
+    enabled, counter.enabled = counter.enabled, False  # the check's traffic is not the training's
+    try:
+        return _verify(model, plan, mesh, axis, n)
+    finally:
+        counter.enabled = enabled
+
+
+def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
     units = _units(model, plan)
-    _capture(model, plan, units, n)
+    capture_inputs(model, plan, units, n)
+    if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
+        # small enough to run whole: also proves how the units compose (the sequence-parallel
+        # entry and exit, replicated layers between them), which no single unit shows
+        units.append(_Unit("", "model", inputs=tree_map(lambda x: x.to(run_device(model)), sample_input(model, plan, n))))
     index = mesh.index(axis)
     results = []  # (unit, [(what, error, is_replicated_param_name or None)])
     for unit in units:
@@ -109,7 +124,7 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
             continue  # never called by the sample forward: it does not take part in training either
         results.append((unit, _check(model, plan, mesh, axis, n, index, unit)))
     errors = torch.tensor([e for _, checks in results for _, e, _ in checks] + [0.0], dtype=torch.float64,
-                          device=_device(model))
+                          device=run_device(model))
     raw_all_reduce(errors, mesh, axis, op="max", note="verify")
     errors = errors.tolist()
     i = 0
@@ -122,19 +137,15 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     if failures:
         partial = _partial_sums(model, plan, mesh, axis, failures)
         raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
-    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0)}
-
-
-def _device(model: nn.Module) -> torch.device:
-    """Where the model's parameters live: the device the backend communicates on (NCCL: CUDA)."""
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0),
+            "unreached": [u.path for u in units if u.inputs is None]}
 
 
 # -- which units -------------------------------------------------------------------------------
 def _units(model: nn.Module, plan: Any) -> list[_Unit]:
     modules = dict(model.named_modules())
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    region = set(_region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
+    region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
     seen: set = set()
     units = []
 
@@ -171,123 +182,11 @@ def _rel(path: str, root: str) -> str:
     return path if root == "" else ("" if path == root else path[len(root) + 1:])
 
 
-# -- inputs ------------------------------------------------------------------------------------
-def _seq_len(model: nn.Module, n: int) -> int:
-    cfg = getattr(model, "config", None)
-    limit = None
-    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
-        value = getattr(cfg, key, None) if cfg is not None else None
-        if isinstance(value, int) and value > 0:
-            limit = value
-            break
-    t = n * max(1, -(-4 // n))  # >= 4 tokens, divisible by the tensor axis (sequence parallelism splits it)
-    if limit is not None and t > limit:
-        t = max(n, limit // n * n)
-    return t
-
-
-def _sample(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
-    given = getattr(plan, "verify_input", None)
-    if given is not None:
-        args = given if isinstance(given, tuple) else (given,)
-        return args, {}
-    g = torch.Generator().manual_seed(_SEED)
-    t = _seq_len(model, n)
-    first = next((m for m in model.modules() if any(p is not None for p in m._parameters.values())), None)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if isinstance(first, nn.Embedding):
-        vocab = first.num_embeddings
-        cfg_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if isinstance(cfg_vocab, int) and 0 < cfg_vocab < vocab:
-            vocab = cfg_vocab
-        ids = torch.randint(0, vocab, (2, t), generator=g).to(device)
-        kwargs = {}
-        import inspect
-
-        try:
-            names = inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            names = {}
-        if "decoder_input_ids" in names:  # encoder-decoder (T5, BART): the decoder reads ids too
-            kwargs["decoder_input_ids"] = ids.clone()
-        return (ids,), kwargs
-    if isinstance(first, nn.Linear):
-        dtype = first.weight.dtype
-        return (torch.randn(2, t, first.in_features, generator=g).to(device, dtype),), {}
-    raise ShardingError(
-        f"shard(verify=True) runs one block of {type(model).__name__} sharded and unsharded to prove the tensor-parallel "
-        f"lowering exact, but cannot build a sample input for it (its first module with parameters is "
-        f"{type(first).__name__ if first is not None else 'none'}, not an Embedding or Linear). Fix: pass "
-        "verify_input=<a small example batch, the same on every rank> (a tensor or a tuple of positional arguments), "
-        "or verify=False to skip the check")
-
-
-def _capture(model: nn.Module, plan: Any, units: list[_Unit], n: int) -> None:
-    """Fill each unit's inputs: synthesized for embeddings and output layers, captured for blocks."""
-    g = torch.Generator().manual_seed(_SEED + 1)
-    t = _seq_len(model, n)
-    todo = {}
-    for unit in units:
-        m = model.get_submodule(unit.path) if unit.path else model
-        if unit.kind == "embedding":
-            unit.inputs = ((torch.randint(0, m.num_embeddings, (2, t), generator=g).to(m.weight.device),), {})
-        elif unit.kind == "output":
-            width = m.weight.shape[0] if type(m).__name__ == "Conv1D" else m.weight.shape[1]
-            unit.inputs = ((torch.randn(2, t, width, generator=g).to(m.weight.device, m.weight.dtype),), {})
-        else:
-            todo[unit.path] = unit
-    if not todo:
-        return
-    args, kwargs = _sample(model, plan, n)
-    handles = []
-
-    def hook(path):
-        def pre(module, a, k):
-            if todo[path].inputs is None:
-                todo[path].inputs = _tree(lambda x: x.detach().clone(), (a, k))
-            if all(u.inputs is not None for u in todo.values()):
-                raise _Stop
-        return pre
-
-    for path in todo:
-        m = model.get_submodule(path) if path else model
-        handles.append(m.register_forward_pre_hook(hook(path), with_kwargs=True))
-    was = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    except _Stop:
-        pass
-    except Exception as exc:
-        raise ShardingError(
-            f"shard(verify=True) runs {type(model).__name__} on a sample input to capture the inputs of its "
-            f"tensor-parallel blocks, and the forward raised {type(exc).__name__}: {exc}. Fix: pass "
-            "verify_input=<a small example batch, the same on every rank>, or verify=False to skip the check") from exc
-    finally:
-        for h in handles:
-            h.remove()
-        for m, mode in was:
-            m.training = mode
-
-
-def _tree(fn, obj):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_tree(fn, o) for o in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_tree(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _tree(fn, v) for k, v in obj.items()}
-    return obj
-
-
 # -- one unit ----------------------------------------------------------------------------------
 def _randomize(module: nn.Module) -> None:
     """Same random float64 weights on every rank: norms near 1, other vectors near 0, matrices
     scaled by 1/sqrt(fan-in) so activations stay O(1)."""
-    g = torch.Generator().manual_seed(_SEED + 2)
+    g = torch.Generator().manual_seed(SEED + 2)
     with torch.no_grad():
         for mname, m in module.named_modules():
             for pname, p in m._parameters.items():
@@ -323,23 +222,27 @@ def _mini_plan(plan: Any, root: str, sp: bool) -> SimpleNamespace:
     return SimpleNamespace(tp_layers=layers, sequence_parallel=sp, sp_entry=None, sp_exit="", sp_grad_params=names)
 
 
+def _unit_plan(plan: Any, unit: _Unit) -> SimpleNamespace:
+    """The plan fields :func:`lower_tensor_parallel` reads, for this unit alone (the whole model:
+    the plan's own, entry and exit included)."""
+    if unit.kind == "model":
+        return SimpleNamespace(tp_layers=plan.tp_layers, sequence_parallel=plan.sequence_parallel, sp_entry=plan.sp_entry,
+                               sp_exit=plan.sp_exit, sp_grad_params=plan.sp_grad_params)
+    return _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+
+
 def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int, unit: _Unit) -> list:
     """[(what, relative error, replicated parameter name or None)] for one unit (the same list,
     in the same order, on every rank: errors are reduced over the axis afterwards)."""
     original = model.get_submodule(unit.path) if unit.path else model
-    dtype = _dtype_for(original, unit)
-    ref = copy.deepcopy(original).to(dtype)
-    _randomize(ref)
-    ref.eval()
-    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    mini = _unit_plan(plan, unit)
     split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
     checks: list = [("output", None), ("input gradient", None)]
-    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
-               for name, p in ref.named_parameters() if p.requires_grad]
+    dtype = torch.float64
 
     def run(module, split):
-        args, kwargs = _tree(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
-        args, kwargs = _tree(lambda x: x.clone(), (args, kwargs))
+        args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
+        args, kwargs = tree_map(lambda x: x.clone(), (args, kwargs))
         first = _first_float(args, kwargs)
         if first is not None:
             if split:
@@ -349,8 +252,22 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         out = _first_tensor(module(*args, **kwargs))
         return first, out
 
-    x_ref, y_ref = run(ref, False)
-    g = torch.Generator().manual_seed(_SEED + 3)
+    for dtype in (torch.float64, torch.float32):  # float32 where a kernel takes no float64 (HF MoE grouped GEMMs)
+        ref = _working_copy(original, dtype)
+        _randomize(ref)
+        ref.eval()
+        try:
+            x_ref, y_ref = run(ref, False)
+            break
+        except Exception as exc:  # the same on every rank: no collective ran yet
+            if dtype == torch.float32:
+                raise ShardingError(
+                    f"shard(verify=True): the unsharded {unit.kind} {unit.path or '<root>'} ({type(original).__name__}) "
+                    f"raised {type(exc).__name__}: {exc} on the inputs captured for it, so its tensor-parallel lowering "
+                    "cannot be checked. Fix: pass verify_input=<a small example batch>, or verify=False") from exc
+    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
+               for name, p in ref.named_parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(SEED + 3)
     cot = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(y_ref.device, y_ref.dtype)
     (y_ref * cot).sum().backward()
     scale = max([float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel()] + [0.0])
@@ -370,7 +287,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     except ShardingError:
         raise
     except Exception as exc:
-        what = f"the sharded forward/backward (it raised {type(exc).__name__}: {str(exc)[:200]})"
+        what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
     y_cmp = _split(y_ref, n, index) if unit.split_out else y_ref
     out = [("output", _err(y_s, y_cmp), None)]
@@ -385,14 +302,29 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     return out
 
 
+def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` in ``dtype``; on the meta device, materialized where the check runs
+    (weights are drawn by :func:`_randomize` anyway; float buffers drawn here, so nothing holds
+    uninitialized memory)."""
+    c = copy.deepcopy(module)
+    if any(t.is_meta for t in list(c.parameters()) + list(c.buffers())):
+        c = c.to_empty(device=run_device(module))
+        g = torch.Generator().manual_seed(SEED + 5)
+        with torch.no_grad():
+            for b in c.buffers():
+                if b.is_floating_point():
+                    b.copy_(torch.rand(b.shape, generator=g) + 0.5)
+    return c.to(dtype)
+
+
 def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
     """float64, unless the unit cannot run in it (grouped GEMMs of HF MoE experts take float32
     at most): then float32. Decided by a forward of a throwaway copy, on this rank only (the same
     code on every rank gives the same answer)."""
-    if unit.kind != "block":
+    if unit.kind not in ("block", "model"):
         return torch.float64
-    probe = copy.deepcopy(module).double()
-    args, kwargs = _tree(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
+    probe = _working_copy(module, torch.float64)
+    args, kwargs = tree_map(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
     try:
         with torch.no_grad():
             probe(*args, **kwargs)
@@ -442,8 +374,8 @@ def _err(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 0.0
     if got is None or want is None:
         other = got if want is None else want
         return 0.0 if float(other.abs().max()) == 0.0 else float("inf")
-    if got.shape != want.shape:
-        return float("inf")
+    if got.shape != want.shape or not bool(torch.isfinite(got).all()) or not bool(torch.isfinite(want).all()):
+        return float("inf")  # NaN on either side proves nothing: refused
     scale = max(float(want.detach().abs().max()) if want.numel() else 0.0, floor)
     diff = float((got.detach() - want.detach()).abs().max()) if want.numel() else 0.0
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
@@ -473,21 +405,21 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     parameter's gradient equal to the unsharded one?"""
     original = model.get_submodule(unit.path) if unit.path else model
     dtype = _dtype_for(original, unit)
-    ref = copy.deepcopy(original).to(dtype)
+    ref = _working_copy(original, dtype)
     _randomize(ref)
     ref.eval()
-    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    mini = _unit_plan(plan, unit)
     mini.sp_grad_params = ()
     shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
     out = {}
     for module, split in ((ref, False), (shd, unit.split_in)):
-        args, kwargs = _tree(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
+        args, kwargs = tree_map(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
         first = _first_float(args, kwargs)
         if first is not None and split:
             args, kwargs = _put_first_float(args, kwargs, _split(first, n, index).clone())
         y = _first_tensor(module(*args, **kwargs))
         cot = torch.randn(y.shape if not (split and unit.split_out) else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
-                          generator=torch.Generator().manual_seed(_SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
+                          generator=torch.Generator().manual_seed(SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
         if split and unit.split_out:
             cot = _split(cot, n, index)
         (y * cot).sum().backward()
@@ -505,8 +437,8 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
     lines = []
     for unit, what, err, replicated in failures[:12]:
         m = model.get_submodule(unit.path) if unit.path else model
-        lines.append(f"  {unit.kind} {unit.path or '<root>'} ({type(m).__name__}): {what} differs (max relative error "
-                     f"{err:.2g})")
+        head = f"  {unit.kind} {unit.path or '<root>'} ({type(m).__name__}): "
+        lines.append(head + (what if what.startswith("the sharded") else f"{what} differs (max relative error {err:.2g})"))
     causes = []
     if partial:
         causes.append(
@@ -521,7 +453,7 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
                           "through super().forward(ids): it reads this rank's rows as the whole table")
         hints = _global_sizes(m, [_rel(l.path, unit.path) for l in plan.tp_layers if _inside(l.path, unit.path)])
         if hints and unit.kind == "block":
-            causes.append(f"attributes that may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
+            causes.append(f"what may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
         if unit.split_in:
             mixers = [p for p, c in m.named_modules() if is_attention(c) and not any(
                 _inside(l.path, _join(unit.path, p)) for l in plan.tp_layers)]
@@ -546,7 +478,13 @@ def _global_sizes(m: nn.Module, split: list[str]) -> list[str]:
         if not is_attention(c) or not any(_inside(s_, path) and s_ != path for s_ in split):
             continue
         head_dim, heads, kv = head_counts(c)
+        for pname, prm in c.named_parameters():
+            owner = _join(path, pname.rpartition(".")[0])
+            if heads and heads in tuple(prm.shape) and not any(_inside(s_, owner) and s_ == owner for s_ in split):
+                out.append(f"{_join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
         for k, v in vars(c).items():
+            if k in ("head_dim", "head_size", "key_value_proj_dim", "d_kv", "num_key_value_groups") or k in LOCALIZED:
+                continue  # per-head sizes and ratios are the same on every rank; the lowering made these local
             if isinstance(v, int) and not isinstance(v, bool) and heads and v in (heads, kv or -1, heads * (head_dim or 0)):
                 out.append(f"{_join(path, k)}={v}")
     return out
