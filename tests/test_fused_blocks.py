@@ -224,17 +224,21 @@ def test_phi3_full_state_and_checkpoint_resharding(tmp_path, mesh_shape, stage):
 
 
 class _Fused(nn.Module):
-    """A fused (8, 4, 4) column layer and its row partner, for meta init (no buffers)."""
+    """A fused (8, 4, 4) column layer and its row partner, for meta init (no buffers): 4 query
+    heads of 2 and 2 key/value heads of 2, each key/value head serving 2 query heads (as GQA), so
+    the forward reads only the heads a rank holds."""
 
     def __init__(self):
         super().__init__()
         self.qkv = nn.Linear(8, 16)
         self.out = nn.Linear(8, 8)
 
-    def forward(self, x):  # x: (B, 8)
-        qkv = self.qkv(x)
-        q, k, v = qkv.split([qkv.shape[-1] // 2, qkv.shape[-1] // 4, qkv.shape[-1] // 4], dim=-1)
-        return self.out(q * torch.cat([k, v], -1))
+    def forward(self, x):  # x: (..., 8)
+        qkv = self.qkv(x)  # (..., 16), local (..., 16 / tp): [q | k | v] of this rank's heads
+        n, lead = qkv.shape[-1], x.shape[:-1]
+        q, k, v = qkv.split([n // 2, n // 4, n // 4], dim=-1)
+        kv = (k * v).reshape(*lead, -1, 1, 2)  # (..., kv heads, 1, 2)
+        return self.out((q.reshape(*lead, kv.shape[-3], -1, 2) * kv).flatten(-3))
 
 
 def _meta_worker():
