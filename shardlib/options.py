@@ -25,6 +25,7 @@ OPTIONS = frozenset({
     "zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
     "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
     "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload",
+    "verify", "verify_input", "tp_sum_grads",
 })
 
 
@@ -108,20 +109,30 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
             ``optimizer_states`` < 0 or not an int; ``pp_axis`` not in the mesh;
             ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``;
             ``offload_ratio`` not a number in [0, 1]; a flag (``sequence_parallel``,
-            ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``) that is not a bool;
+            ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``, ``verify``) that is not a
+            bool; ``tp_sum_grads`` not a list of globs; ``verify_input`` not a tensor or a tuple of them;
             a seed (``dropout_seed``, ``init_seed``) that is not an int; ``fused`` not a dict
             from globs to ints >= 1.
     """
     unknown = sorted(set(options) - OPTIONS)
     if unknown:
         raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(OPTIONS)}")
-    for flag in ("sequence_parallel", "broadcast_buffers", "optimizer_offload", "strict_specs"):
+    for flag in ("sequence_parallel", "broadcast_buffers", "optimizer_offload", "strict_specs", "verify"):
         if flag in options:
             _check_bool(flag, options[flag])
     for seed in ("dropout_seed", "init_seed"):
         if seed in options:
             _check_seed(seed, options[seed])
     _check_fused(options.get("fused"))
+    sums = options.get("tp_sum_grads", ())
+    if isinstance(sums, str) or not isinstance(sums, (list, tuple)) or not all(isinstance(g, str) for g in sums):
+        raise ShardingError(f"tp_sum_grads must be a list of globs over parameter names (like ['*.q_norm.weight']), "
+                            f"got {sums!r}")
+    given = options.get("verify_input")
+    if given is not None and not isinstance(given, torch.Tensor) and not (
+            isinstance(given, tuple) and given and all(isinstance(a, torch.Tensor) for a in given)):
+        raise ShardingError(f"verify_input must be a tensor or a non-empty tuple of tensors (the positional arguments of "
+                            f"one small forward, the same on every rank), got {type(given).__name__}")
     pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
     if pp_axis is not None and pp_axis not in mesh_shape:
         raise ShardingError(f"pp_axis {pp_axis!r} is not an axis of the mesh {mesh_shape}")

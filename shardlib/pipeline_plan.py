@@ -33,8 +33,9 @@ import torch
 from .errors import ShardingError
 from .lowering import lower
 from .mesh.mesh import AbstractMesh
+from .models.hf import is_hf_model
 from .parallel.pipeline import Stage, partition
-from .parallel.schedules import Simulation, bubble_fraction, build_schedule, format_grid, simulate
+from .parallel.schedules import Simulation, bubble_fraction, build_schedule, simulate
 from .state_names import model_state_names
 
 if TYPE_CHECKING:
@@ -70,9 +71,9 @@ def check_no_pipeline_options(mesh: Any, options: dict) -> None:
 class PipelinePlan:
     """A checked pipeline plan: the stages, each stage's sharding :class:`~shardlib.Plan`, the schedule.
 
-    ``str(pplan)`` / :meth:`explain` print the stages (layers, pp rank), each pp rank's
-    parameter, gradient and optimizer bytes, the bytes of one boundary transfer, the bubble and
-    the schedule as a step-by-rank grid, then each stage's plan. Frozen, picklable (the mesh
+    ``str(pplan)`` / :meth:`explain` print the bubble, the stages (layers, pp rank), each pp
+    rank's parameter, gradient and optimizer bytes, the bytes of one boundary transfer and the
+    schedule as a step-by-rank grid, then each stage's plan. Frozen, picklable (the mesh
     becomes abstract) and equal on every rank.
 
     Attributes:
@@ -154,6 +155,30 @@ class PipelinePlan:
     def sequence_parallel(self) -> bool:
         return self.whole.sequence_parallel
 
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """The dtype of the activations sent between stages: the compute dtype (``param_dtype``),
+        else the first floating parameter's."""
+        whole = self.whole
+        return whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
+
+    def boundary_shape(self, rows: int, seq: int) -> tuple[int, int, int] | None:
+        """Shape of one transfer between stages: a microbatch's activation, or its gradient.
+
+        Args:
+            rows: rows of one microbatch on one rank (``local batch / m``).
+            seq: its sequence length, before any sequence split.
+
+        Returns:
+            ``(rows, seq / tp, width)`` under sequence parallelism (the sequence shard),
+            ``(rows, seq, width)`` otherwise; None if the width is unknown.
+        """
+        if self.activation_width is None:
+            return None
+        whole = self.whole
+        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
+        return (rows, -(-seq // parts), self.activation_width)
+
     def boundary_bytes(self, tokens: int) -> int | None:
         """Bytes of one transfer between stages: a microbatch's activation, or its gradient.
 
@@ -165,12 +190,8 @@ class PipelinePlan:
             ``tokens / tp * width * element size`` under sequence parallelism (the sequence
             shard), ``tokens * width * element size`` otherwise; None if the width is unknown.
         """
-        if self.activation_width is None:
-            return None
-        whole = self.whole
-        parts = dict(whole.mesh_shape)[whole.tp_layers[0].axis] if whole.sequence_parallel else 1
-        dtype = whole.param_dtype or next((p.dtype for p in whole.params if p.dtype.is_floating_point), torch.float32)
-        return -(-tokens // parts) * self.activation_width * dtype.itemsize
+        shape = self.boundary_shape(1, tokens)
+        return None if shape is None else shape[1] * shape[2] * self.boundary_dtype.itemsize
 
     def transfers_per_step(self, rank: int) -> int:
         """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
@@ -180,60 +201,34 @@ class PipelinePlan:
 
     # -- printing ----------------------------------------------------------------------------
     def summary(self, tokens: int | None = None) -> str:
-        """The pipeline in a few lines: schedule and bubble, stages, bytes per pp rank, transfers.
+        """The pipeline in a few lines, totals first: schedule and bubble, one line per stage
+        (repeated layers folded), the model state per pp rank, tied tensors, boundary transfers
+        (see :func:`shardlib.explain_pipeline.pipeline_summary`).
 
         Args:
             tokens: tokens in one microbatch on one rank (``local batch / m * seq``), for the
                 boundary bytes; without it they are reported as needing it.
         """
-        lines = [f"Pipeline over {self.pp_axis!r} ({self.p} ranks x {self.v} chunks = {self.n_stages} stages), schedule "
-                 f"{self.schedule}, {self.m} microbatches; bubble (p-1)/(vm+p-1) = {self.bubble:.3f}; "
-                 f"peak stashed microbatches per rank {self.simulation.peak_stash}"]
-        for s, layers in enumerate(self.stage_layers):
-            lines.append(f"  stage {s} on rank {s % self.p}: {', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''} "
-                         f"({len(layers)} layers, {self.stage_param_bytes[s]:,} parameter bytes)")
-        whole = self.whole
-        tp = f"tensor parallel over {whole.tp_layers[0].axis!r}" if whole.tp_layers else "no tensor parallelism"
-        lines.append(f"model state per rank, each stage sharded over the other axes (zero_stage={whole.zero_stage} over "
-                     f"{whole.data_axes or '()'}, N={whole.data_size}; {tp}):")
-        for r, st in enumerate(self.stages):
-            lines.append(f"  pp rank {r}: params {st.param_bytes:,} B + grads {st.grad_bytes:,} B + optimizer "
-                         f"{st.optimizer_bytes:,} B ({st.optimizer_states} states) = {st.model_state_bytes:,} B")
-        for names, _ in self.tied:
-            ranks = [r for r, st in enumerate(self.stages) if any(q.name in names for q in st.params)]
-            lines.append(f"  tied across stages: {' = '.join(names)} on pp ranks {ranks}; its gradient is summed over "
-                         f"{self.pp_axis!r} every step")
-        if self.sequence_parallel:
-            entry = self.stages[0].sp_entry
-            lines.append(f"sequence parallel over {self.whole.tp_layers[0].axis!r}: stage 0 splits the sequence at "
-                         f"{entry!r}; every boundary transfer carries the sequence shard")
-        shape = "(tokens / tp, width)" if self.sequence_parallel else "(tokens, width)"
-        if self.activation_width is None:
-            lines.append(f"bytes per boundary transfer: unknown (the model's config gives no width; activations are {shape})")
-        elif tokens is None:
-            lines.append(f"bytes per boundary transfer: needs tokens= (tokens per microbatch per rank); activations "
-                         f"{shape} with width {self.activation_width}")
-        else:
-            per = self.boundary_bytes(tokens)
-            sends = ", ".join(f"rank {r} {self.transfers_per_step(r)}" for r in range(self.p))
-            lines.append(f"bytes per boundary transfer: {per:,} ({tokens} tokens per microbatch, {shape} with width "
-                         f"{self.activation_width}); transfers per step: {sends}")
-        return "\n".join(lines)
+        from .explain_pipeline import pipeline_summary
 
-    def explain(self, tokens: int | None = None) -> str:
+        return pipeline_summary(self, tokens)
+
+    def explain(self, tokens: int | None = None, full: bool = False) -> str:
         """:meth:`summary`, the schedule grid, then each pp rank's stage plan.
 
         A stage plan's communication figures are those of one forward and backward (one
         microbatch, ``tokens`` per rank); a step runs ``m`` of them per stage and reduces the
         gradients over the data axes once.
+
+        Args:
+            tokens: as :meth:`summary`.
+            full: draw the grid however many steps it has and print every row of each stage
+                plan (by default a grid of more than 40 steps is only sized, and long stage
+                tables fold their repeated blocks).
         """
-        lines = [self.summary(tokens), "schedule (forward F, backward B; stage, kind, microbatch):",
-                 format_grid(self.simulation)]
-        for r, st in enumerate(self.stages):
-            lines.append(f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in range(r, self.n_stages, self.p))}; "
-                         f"communication of one microbatch, a step runs {self.m}):")
-            lines.append(st.explain(tokens))
-        return "\n".join(lines)
+        from .explain_pipeline import pipeline_explain
+
+        return pipeline_explain(self, tokens, full)
 
     def __str__(self) -> str:
         return self.explain()
@@ -281,7 +276,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     Raises:
         ShardingError: every check of :func:`shardlib.plan` on the whole model and on each
             stage; schedule sizes the schedule does not support; fewer layers than stages or
-            bad split points; under ``sequence_parallel``, a layout that would not be exact: the
+            bad split points; under ``sequence_parallel``, a Hugging Face model (its pipeline
+            layers build masks and positions from each layer's input), or a layout that would not be exact: the
             entry not on the first stage, an output layer or ``sp_exit`` not on the last, no
             output layer and no ``sp_exit`` (the output would stay split along the sequence), or
             a pp rank holding no tensor-parallel layer. All before any communication.
@@ -295,6 +291,13 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     split_points = options.pop("split_points", None)
     build_schedule(schedule, p, m, v)  # checks the sizes
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
+        raise ShardingError(
+            f"sequence_parallel=True on the pipeline mesh {dict(mesh.shape)}: {type(model).__name__}'s pipeline layers "
+            "build masks and rotary positions from the length of each decoder layer's input, which inside the "
+            "sequence-parallel region is a sequence shard, so they would not match the attention's whole sequence. "
+            "Fix: drop sequence_parallel (tensor parallelism inside each stage works without it), or drop the pp axis"
+        )
     modules = [partition(model, r, p, v, split_points) for r in range(p)]
     layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
     sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))

@@ -25,7 +25,8 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
-from .parallel.tensor_rules import TPLayer, analyze_tensor_parallel, sequence_parallel_layout, tensor_split
+from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
+                                    tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
 
 __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHUNK_SIZE"]
@@ -35,7 +36,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHU
 class Plan:
     """A checked sharding plan: one :class:`ParamPlan` per parameter, chunks, costs.
 
-    ``str(plan)`` / ``plan.explain()`` print the per-parameter table and the totals; the cost
+    ``str(plan)`` / ``plan.explain()`` print the totals, then the per-parameter table; the cost
     figures are per rank: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (model states
     that persist between steps) and ``comm_per_step()`` (logical ring bytes by axis and kind,
     see :mod:`shardlib.mesh.comm`).
@@ -63,6 +64,8 @@ class Plan:
     init_seed: int = 0
     offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
+    verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
+    verify_input: Any = field(compare=False, repr=False, default=None)
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -226,17 +229,20 @@ class Plan:
         return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self, tokens: int | None = None) -> str:
-        """The plan as text: a row per parameter, the tensor-parallel layers with their
-        collectives, then memory and communication totals (see :func:`shardlib.explain.explain`).
+    def explain(self, tokens: int | None = None, full: bool = False) -> str:
+        """The plan as text: the summary first (memory per rank, communication per step by axis
+        and kind, bytes per strategy, the largest tensors, one line per repeated block), then a
+        row per parameter, then the tensor-parallel layers (see :func:`shardlib.explain.explain`).
 
         Args:
             tokens: tokens per micro-batch per rank; when given, activation collectives of
                 tensor/sequence parallelism are included in the per-step totals.
+            full: every parameter's row even in a long table (more than 60 rows folds each
+                repeated block into one row per pattern by default).
         """
         from .explain import explain
 
-        return explain(self, tokens)
+        return explain(self, tokens, full)
 
     def __str__(self) -> str:
         return self.explain()
@@ -286,6 +292,16 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             the first decoder block).
         sp_exit: a module whose output is gathered along the sequence (GPT-2's ``ln_f``, before
             Hugging Face reshapes by the full length); default: the output layer gathers.
+        tp_sum_grads: globs over parameter names of replicated parameters used on activations
+            split over the tensor axis, whose gradients are summed over it (found automatically:
+            norms and row biases under sequence parallelism, every replicated parameter of the
+            blocks in the sequence-parallel region, per-head norms inside split attention).
+        verify: before lowering, run each distinct tensor-parallel unit (a decoder block, a
+            parallel embedding, the LM head) sharded and unsharded in float64 on random input
+            and refuse any difference (:mod:`shardlib.parallel.tensor_verify`); default True.
+        verify_input: the positional arguments (a tensor or tuple, the same on every rank) of
+            a small forward that reaches the blocks; default: random token ids for a model that
+            starts with an embedding, random activations for one that starts with a Linear.
         dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
             (:mod:`shardlib.random`); default 0.
         init_rules: for a model built on the meta device, ``{glob: rule}`` or
@@ -444,8 +460,9 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         )
     sp_entry, sp_exit, sp_grad_params = (
         sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
-        if sequence_parallel else ("", "", ())
+        if sequence_parallel else ("", "", split_region_params(model, tp_layers))
     )
+    sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
 
     param_plans = []
@@ -489,6 +506,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         init_seed=int(options.get("init_seed", 0)),
         offload_ratio=opts.offload_ratio,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
+        verify=bool(options.get("verify", True)),
+        verify_input=options.get("verify_input"),
         mesh=mesh,
     )
-

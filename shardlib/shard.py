@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .parallel.tensor_lower import lower_tensor_parallel
+from .parallel.tensor_verify import verify_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
@@ -32,6 +33,9 @@ class ShardedModule(nn.Module):
         module: the original module (its parameters now live in ZeRO chunks).
         plan: the plan applied.
         mesh: the mesh.
+        verification: what ``shard(verify=True)`` proved (:func:`~shardlib.parallel.tensor_verify.
+            verify_tensor_parallel`: the units checked and the largest relative error, or why it
+            was skipped), None with no tensor parallelism or ``verify=False``.
 
     Use :class:`~shardlib.ZeroOptimizer` for the optimizer: under ZeRO stages 1-3 the
     parameters' own ``.grad`` is not the reduced gradient (see :func:`full_grads`).
@@ -65,6 +69,7 @@ class ShardedModule(nn.Module):
         off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
         self._own_offload = ActivationOffload(off) if off is not None else None
         self._last_offload = self._own_offload
+        self.verification: dict | None = None  # set by the lowering (shard(verify=True))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         zero = self._zero
@@ -294,7 +299,10 @@ def _check_step_args(fn: str, x: Any, criterion: Any, labels: Any) -> None:
 
 @register_lowering(Plan)
 def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
-    return ShardedModule(model, plan)
+    report = verify_tensor_parallel(model, plan, plan.mesh)  # refuses what it cannot prove exact, before anything moves
+    smodel = ShardedModule(model, plan)
+    smodel.verification = report
+    return smodel
 
 
 @register_lowering(PipelinePlan)
@@ -302,10 +310,13 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     """Cut ``model`` where the plan cut it, keep this rank's stage, shard it by its stage plan."""
     from .parallel.pipeline import partition
 
+    report = verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))
     assert [tuple(c) for c in stage.chunk_layers] == list(pplan.stage_layers[rank::pplan.p]), "stage differs from its plan"
-    return PipelineModule(stage, pplan)
+    smodel = PipelineModule(stage, pplan)
+    smodel.verification = report
+    return smodel
 
 
 def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> ShardedModule:

@@ -204,7 +204,7 @@ def _explain_worker():
 
 def test_pipeline_explain_and_timeline_picture():
     (text, tl0), (_, tl1) = run_on(2, _explain_worker)
-    assert "schedule gpipe, 4 microbatches; bubble (p-1)/(vm+p-1) = 0.200" in text
+    assert "schedule gpipe, 4 microbatches\n  bubble (p-1)/(vm+p-1) = 0.200" in text  # two lines (width, issue 14)
     assert "peak stashed microbatches per rank [4, 4]" in text
     assert "stage 0 on rank 0: embed, blocks.0, blocks.1" in text and "bytes per boundary transfer" in text
     from shardlib.parallel.pipeline import measured_bubble, timeline_svg

@@ -48,11 +48,12 @@ def begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channe
     channel > 0: channels other than 0 are ordered independently of the rest (ZeRO reduces
     gradients on channel 1 in the order they become ready, which may follow the data), so
     blocking there could deadlock a correct program; its check is posted in order on the same
-    group and ``verify`` compares when the collective is waited on (else ``verify`` is None)."""
+    group and ``verify`` compares when the collective is waited on (else ``verify`` is None).
+    On torch's fake group (a dry run, :attr:`Mesh.fake`) there is no check: nothing is gathered."""
     trace = mesh.trace
     rec = trace.record(kind, trace.label(mesh, names, channel), t.shape, t.dtype, note)
     verify = None
-    if trace.check and kind not in ("send", "recv"):
+    if trace.check and kind not in ("send", "recv") and mesh.backend != "fake":  # a fake group gathers no fingerprints
         verify = _check(mesh, names, channel, kind, t, extra, rec)
         if not async_op or channel == 0:
             verify()

@@ -180,6 +180,8 @@ class AbstractMesh:
 
 # One cache of groups per process, keyed by the default group and the ranks: new_group must be
 # called collectively by every rank in the same order, so reuse keeps meshes cheap in test pools.
+# The key holds the default group itself, not its id: a destroyed group's id is reused by the next
+# init_process_group (seen on the fake backend, which a dry run re-initializes as each rank).
 _GROUP_CACHE: dict[tuple, object] = {}
 
 
@@ -228,6 +230,15 @@ class Mesh(AbstractMesh):
             self.group(name)
         self._tokens: list = []
 
+    @property
+    def fake(self) -> bool:
+        """Whether the default group is torch's fake backend (``init_process_group("fake",
+        store=FakeStore(), rank=R, world_size=W)``): every collective completes at once and moves
+        nothing, so one process can be any rank of a large world (a dry run: shapes, memory and
+        counted bytes are those of rank ``R``; values are not). There is no watchdog (no peers),
+        and a pipeline receives zeros of the planned shape (a fake receive fills no buffer)."""
+        return self.backend == "fake"
+
     def group(self, axis: Axis, channel: int = 0):
         """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
 
@@ -248,7 +259,7 @@ class Mesh(AbstractMesh):
                 return None
             mine = None
             for ranks in self.all_groups(names):
-                key = (id(dist.group.WORLD), tuple(ranks), self.timeout, channel)
+                key = (dist.group.WORLD, tuple(ranks), self.timeout, channel)
                 if key not in _GROUP_CACHE:
                     _GROUP_CACHE[key] = dist.new_group(ranks, timeout=self.timeout, backend=self.backend)
                 if self.rank in ranks:

@@ -401,14 +401,14 @@ def process_watchdog(mesh) -> tuple[Trace, Watchdog | None]:
     """The trace and watchdog of this process, made on first use (one per default group)."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD) if dist.is_initialized() else None
+    key = dist.group.WORLD if dist.is_initialized() else None  # the group, not its id (reused after a destroy)
     got = _PROCESS.get(key)
     if got is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         trace = Trace(rank, path=None if world > 1 else "")
         dog = None
-        if world > 1:
+        if world > 1 and dist.get_backend() != "fake":  # a fake group has no peers, and FakeStore no add()
             from torch.distributed.distributed_c10d import _get_default_store
 
             dog = Watchdog(trace, _get_default_store(), rank, world)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..spec import P, PartitionSpec
 
-__all__ = ["Preset", "gpt_preset", "llama_preset", "gpt2_preset"]
+__all__ = ["Preset", "gpt_preset", "llama_preset", "gpt2_preset", "hf_preset"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,92 @@ def gpt2_preset(axis: str = "tp") -> Preset:
         },
         {"fused": {"transformer.h.*.attn.c_attn": 3}, "sp_exit": "transformer.ln_f"},
     )
+
+
+# HF's tp plan styles (transformers.integrations.tensor_parallel) -> the Megatron role of the module.
+_HF_STYLES = {"colwise": "column", "colwise_gather_output": "column", "rowwise": "row", "rowwise_split_input": "row",
+              "embedding_rowwise": "vocab"}
+# families without a base_model_tp_plan: the same table, relative to the base model
+_HF_TABLES = {
+    "opt": {"decoder.layers.*.self_attn.q_proj": "colwise", "decoder.layers.*.self_attn.k_proj": "colwise",
+            "decoder.layers.*.self_attn.v_proj": "colwise", "decoder.layers.*.self_attn.out_proj": "rowwise",
+            "decoder.layers.*.fc1": "colwise", "decoder.layers.*.fc2": "rowwise"},
+}
+
+
+def hf_preset(model: Any, axis: str = "tp") -> Preset:
+    """A Megatron layout for an unmodified Hugging Face model, read from the model itself.
+
+    The projections come from the config's ``base_model_tp_plan`` (Hugging Face's own tensor
+    parallel plan: LLaMA, Mistral, Qwen2/3, Gemma/Gemma2, Mixtral, Phi, Phi-3, GPT-NeoX, ...) or,
+    for families without one, a table here (OPT); GPT-2 uses :func:`gpt2_preset`. On top:
+
+    - the input embedding is vocabulary parallel and the output embedding (the LM head) column
+      parallel with its logits gathered (tied or not);
+    - fused projections are declared: ``gate_up_proj`` (Phi-3) holds 2 equal blocks, ``qkv_proj``
+      holds q, k and v (equal blocks: Phi-3 without grouped-query attention);
+    - entries that are not ``Linear`` modules (Mixtral's 3-D expert parameters, HF's
+      ``packed_colwise``/``moe_tp_experts``) stay replicated; HF's
+      ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``) is found by the
+      planner itself (:func:`shardlib.parallel.tensor_rules.split_region_params`).
+
+    Every layout is then proven on the model's own modules by ``shard(verify=True)``.
+
+    Args:
+        model: a ``transformers`` ``PreTrainedModel`` (a task model such as ``*ForCausalLM`` or
+            its base model).
+        axis: the tensor mesh axis.
+
+    Returns:
+        The :class:`Preset` (``shard(model, mesh, p.specs, **p.options)``).
+
+    Raises:
+        ShardingError: the model is not a Hugging Face model, or its family has no tensor
+            parallel plan here nor in its config (write specs; ``verify`` checks them).
+    """
+    from torch import nn
+
+    from ..errors import ShardingError
+
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if cfg is None or kind is None:
+        raise ShardingError(f"hf_preset: {type(model).__name__} is not a Hugging Face model (it has no config.model_type)")
+    if kind == "gpt2":
+        return gpt2_preset(axis)
+    prefix = getattr(model, "base_model_prefix", "")
+    base = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    table = dict(getattr(cfg, "base_model_tp_plan", None) or _HF_TABLES.get(kind, {}))
+    if not table:
+        raise ShardingError(
+            f"hf_preset: no tensor-parallel plan for {type(model).__name__} (model_type {kind!r}): its config has no "
+            "base_model_tp_plan and shardlib has no table for it. Fix: write the specs (P(axis, None) on column "
+            "Linear weights, P(None, axis) on row ones); shard(verify=True) proves them exact or refuses")
+    modules = dict(model.named_modules())
+    specs: dict[str, PartitionSpec] = {}
+    fused: dict[str, Any] = {}
+    import fnmatch
+
+    for key, style in table.items():
+        role = _HF_STYLES.get(style)
+        pattern = base + key
+        hits = [m for path, m in modules.items() if fnmatch.fnmatchcase(path, pattern)]
+        if role is None or not hits or not isinstance(hits[0], (nn.Linear, nn.Embedding)):
+            continue  # 3-D expert parameters, packed styles: replicated
+        specs[pattern + ".weight"] = P(None, axis) if role == "row" else P(axis, None)
+        leaf = key.rpartition(".")[2]
+        if leaf == "gate_up_proj":
+            fused[pattern] = 2
+        elif leaf == "qkv_proj":  # [q | k | v]; under grouped-query attention the blocks differ in size
+            heads = cfg.num_attention_heads
+            kv = getattr(cfg, "num_key_value_heads", None) or heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            fused[pattern] = 3 if kv == heads else (heads * head_dim, kv * head_dim, kv * head_dim)
+    names = {id(m): path for path, m in modules.items()}
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(emb, nn.Embedding) and id(emb) in names:
+        specs[names[id(emb)] + ".weight"] = P(axis, None)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(out, nn.Linear) and id(out) in names:
+        specs[names[id(out)] + ".weight"] = P(axis, None)
+    return Preset(specs, {"fused": fused} if fused else {})

@@ -45,20 +45,26 @@ __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_
 
 
 def pipeline_layers(model: nn.Module) -> list:
-    """``[(name, {path: module}, fn(get, x))]`` for ``model``: its own ``pipeline_layers()``, or
-    the children of an ``nn.Sequential``.
+    """``[(name, {path: module}, fn(get, x))]`` for ``model``: its own ``pipeline_layers()``, the
+    children of an ``nn.Sequential``, or for a Hugging Face decoder-only causal LM (a ``config``
+    with a ``model_type``) :func:`shardlib.models.hf.hf_pipeline_layers`.
 
     Raises:
-        ShardingError: the model offers neither.
+        ShardingError: the model offers none of these (for a Hugging Face model: a model type or
+            structure the Hugging Face layers do not cover, naming what is missing).
     """
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers()
     if isinstance(model, nn.Sequential):
         return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model.named_children()]
+    from ..models.hf import hf_pipeline_layers, is_hf_model
+
+    if is_hf_model(model):
+        return hf_pipeline_layers(model)
     raise ShardingError(
         f"pipeline parallelism needs the forward pass as ordered layers: {type(model).__name__} is not an nn.Sequential "
-        "and has no pipeline_layers() method (Hugging Face models have none: shardlib has no pipeline path for them). "
-        "Fix: give the model a pipeline_layers() method (see shardlib.models.GPT.pipeline_layers), or drop the pp axis"
+        "and has no pipeline_layers() method. Fix: give the model a pipeline_layers() method (see "
+        "shardlib.models.GPT.pipeline_layers), or drop the pp axis"
     )
 
 
@@ -72,7 +78,8 @@ class Stage(nn.Module):
         super().__init__()
         self._chunks = [[(name, fn) for name, _, fn in layers] for layers in chunks]
         self.chunk_layers = [[name for name, _, _ in layers] for layers in chunks]  # layer names of each chunk
-        self.chunk_paths = [[path for _, mods, _ in layers for path in mods] for layers in chunks]  # module paths
+        # module paths, each once (a module several layers use, like a rotary embedding, is registered once)
+        self.chunk_paths = [list(dict.fromkeys(path for _, mods, _ in layers for path in mods)) for layers in chunks]
         self.chunk_bytes = []  # parameter bytes of each chunk, a shared tensor counted once
         for layers in chunks:
             unique = {id(p): p for _, mods, _ in layers for m in mods.values() for p in m.parameters()}
@@ -171,6 +178,9 @@ class PipelineRunner:
         self.n_stages = self.p * self.v
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
+        # torch's fake group (a dry run in one process): sends complete at once and count their
+        # bytes, receives return zeros of the planned shape (their header never arrives)
+        self.fake = getattr(mesh, "fake", False)
         self.tied = tied  # [(name, param or None, numel, dtype)] in a fixed order on every rank
         self.timeline: list[tuple[str, float, float]] = []
         self.runs = 0  # schedules run (forward_backward and evaluate), the same count on every stage
@@ -204,7 +214,12 @@ class PipelineRunner:
                             f"{what} of stage {stage} microbatch {mb} of {'a training step' if self.training else 'evaluate'} "
                             f"{'to' if kind == 'send' else 'from'} rank {peer}")
 
-    def _recv(self, stage: int, mb: int, grad: bool) -> torch.Tensor:
+    def _recv(self, stage: int, mb: int, grad: bool, like: tuple) -> torch.Tensor:
+        """The activation (or gradient) stage ``stage`` receives for microbatch ``mb``; ``like``:
+        ``(shape, dtype)`` the sender sends, used on a fake group only, where nothing arrives."""
+        if self.fake:
+            shape, dtype = like
+            return torch.zeros(shape, dtype=dtype)
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
         sender_stage = stage + (1 if grad else -1)
         tag = self._tag(sender_stage, mb, grad)
@@ -234,6 +249,15 @@ class PipelineRunner:
                     f"{tuple(x.shape)}) over {axis!r} (size {n}), and every stage passes on its shard, but the length "
                     f"does not divide by {n} (mesh {self.mesh.shape}). Fix: use a sequence length divisible by {n}"
                 )
+        pplan = self.smodel.pipeline_plan
+        if self.fake and (pplan.activation_width is None or x.dim() < 2):  # every rank, before any transfer
+            missing = (f"the width of {pplan.model_name} is unknown (no config.hidden_size, n_embd or d_model)"
+                       if pplan.activation_width is None else f"the local batch {tuple(x.shape)} has no sequence dimension")
+            raise ShardingError(
+                "forward_backward on torch's fake process group: a fake receive fills no buffer, so each stage receives "
+                f"zeros of the planned boundary shape (rows per microbatch, sequence, width), but {missing}. Fix: dry-run "
+                "a model with such a config and a (batch, seq) input, or use a real process group"
+            )
         self.runs += 1
         self.training = backward
         last = self.n_stages - 1
@@ -254,7 +278,12 @@ class PipelineRunner:
         for a in actions:
             chunk = a.stage // self.p
             if a.kind == "F":
-                inp = xs[a.microbatch] if a.stage == 0 else self._recv(a.stage, a.microbatch, False).requires_grad_(backward)
+                if a.stage == 0:
+                    inp = xs[a.microbatch]
+                else:
+                    planned = ((pplan.boundary_shape(*xs[a.microbatch].shape[:2]), pplan.boundary_dtype)
+                               if self.fake else None)
+                    inp = self._recv(a.stage, a.microbatch, False, planned).requires_grad_(backward)
                 start = time.perf_counter()  # compute only: waiting for the input is idle time
                 with self.smodel.no_sync(), drops.forward(a.microbatch):
                     out = self.smodel(chunk, inp)
@@ -273,7 +302,7 @@ class PipelineRunner:
             else:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
-                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True)
+                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True, (out.shape, out.dtype))
                 start = time.perf_counter()
                 with self.smodel.no_sync():
                     torch.autograd.backward(out, grad)

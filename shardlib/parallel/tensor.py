@@ -13,6 +13,8 @@ all-gathered, and the output of a row layer is reduce-scattered along the sequen
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,49 @@ __all__ = [
     "ParallelEmbedding",
     "vocab_parallel_cross_entropy",
     "sum_grad_over",
+    "SharedInput",
 ]
+
+
+def seq_dim_of(x: torch.Tensor, seq_dim: int | None) -> int:
+    """The sequence dimension of an activation under sequence parallelism: ``seq_dim`` if given,
+    else 1 for ``(B, T, C)`` and 0 for a token-major ``(B * T, C)`` (OPT flattens before its MLP;
+    the all-gather and the matching reduce-scatter then work on rows, which is exact for per-token
+    layers)."""
+    if seq_dim is not None:
+        return seq_dim
+    return 1 if x.dim() >= 3 else 0
+
+
+class SharedInput:
+    """One ``pvary`` (or sequence all-gather) per input tensor for the column layers reading it.
+
+    Megatron fuses q/k/v into one matrix so their shared input is all-reduced once in backward;
+    with separate modules (q_proj, k_proj, v_proj; gate_proj, up_proj) the same saving comes from
+    applying the input operator once per *tensor*: a column layer that receives the very tensor
+    object (same version) the previous one received reuses its result, whose backward then sums
+    the gradients of every reader before one all-reduce. Exact by construction, whatever the
+    module structure (a norm or residual between the parent's input and the projections simply
+    gives a different tensor, which gets its own operator).
+    """
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._out: torch.Tensor | None = None  # held while its input lives (no longer: see _drop)
+
+    def apply(self, x: torch.Tensor, kind: tuple, fn) -> torch.Tensor:
+        """``fn(x)``, or the result of the last call when it was for this very ``x`` and ``kind``."""
+        key = self._key
+        if key is not None and key[0]() is x and key[1] == x._version and key[2] == kind:
+            return self._out
+        y = fn(x)
+        self._key, self._out = (weakref.ref(x, self._drop), x._version, kind), y
+        return y
+
+    def _drop(self, ref: weakref.ref) -> None:
+        """The input died (its readers ran): release the result, so no activation outlives it."""
+        if self._key is not None and self._key[0] is ref:
+            self._key, self._out = None, None
 
 
 def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
@@ -63,7 +107,16 @@ def _check_embedding(emb: nn.Embedding) -> None:
 
 
 def _from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str, dim: int, **kwargs) -> nn.Module:
-    """``cls`` (a parallel embedding) holding this rank's slice along ``dim`` of ``emb``'s weight."""
+    """``cls`` (a parallel embedding) holding this rank's slice along ``dim`` of ``emb``'s weight.
+
+    A subclass of ``nn.Embedding`` that overrides ``forward`` (Gemma's
+    ``GemmaTextScaledWordEmbedding`` returns ``super().forward(ids) * embed_scale``; BART, mBART
+    and M2M100 do the same) keeps its class and its attributes: the result is an instance of
+    ``(subclass, parallel lookup, cls)``, so the subclass's ``forward`` runs and its
+    ``super().forward`` is the parallel lookup. A subclass whose ``forward`` does the lookup
+    itself (never calling ``super().forward``) would read the local rows as if they were all of
+    them; ``shard(verify=True)`` compares the outputs and refuses it.
+    """
     _check_embedding(emb)
     w = emb.weight
     layer = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, axis=axis, mesh=mesh,
@@ -71,7 +124,31 @@ def _from_embedding(cls, emb: nn.Embedding, mesh: Mesh, axis: str, dim: int, **k
     with torch.no_grad():
         layer.weight.copy_(_slice_rows(w, layer.lo, layer.hi, dim))
     layer.weight.requires_grad_(w.requires_grad)
-    return layer
+    sub = type(emb)
+    if sub is nn.Embedding or sub.forward is nn.Embedding.forward:
+        return layer
+    composed = _composed_embedding(sub, cls)
+    new = composed.__new__(composed)
+    new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in emb.__dict__.items()})
+    for key in ("mesh", "axis", "lo", "hi", "sequence_parallel", "seq_dim"):
+        if key in layer.__dict__:
+            new.__dict__[key] = layer.__dict__[key]
+    new._parameters["weight"] = layer.weight
+    return new
+
+
+_COMPOSED: dict[tuple[type, type], type] = {}
+
+
+def _composed_embedding(sub: type, cls: type) -> type:
+    """``class X(sub, lookup, cls)``: ``sub.forward``'s ``super().forward`` resolves to ``lookup``
+    (an ``nn.Embedding`` whose forward is ``cls``'s), placed before ``nn.Embedding`` in the MRO."""
+    key = (sub, cls)
+    if key not in _COMPOSED:
+        lookup = type(f"_{cls.__name__}Lookup", (nn.Embedding,), {"forward": cls.forward})
+        _COMPOSED[key] = type(f"{cls.__name__}[{sub.__name__}]", (sub, lookup, cls),
+                              {"extra_repr": cls.extra_repr, "__module__": sub.__module__})
+    return _COMPOSED[key]
 
 
 def _slice_rows(t: torch.Tensor | None, lo: int, hi: int, dim: int) -> torch.Tensor | None:
@@ -90,7 +167,10 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output to ``(..., out)`` (backward keeps the local slice);
             default False: the output stays ``(..., out_local)`` for a following row layer.
         sequence_parallel: the input is ``(B, T / tp, in)`` and is all-gathered along
-            ``seq_dim`` (backward: reduce-scatter).
+            ``seq_dim`` (backward: reduce-scatter); ``seq_dim=None`` (default): dimension 1, or
+            0 for a token-major ``(B * T / tp, in)`` input.
+        shared_input: a :class:`SharedInput` shared with the other column layers of the model, so
+            layers reading the same tensor apply the input operator once.
         mesh: default :func:`~shardlib.current_mesh`.
 
     Shapes: input ``(..., in)`` (or sequence-split), output ``(..., out_local)`` or
@@ -98,14 +178,15 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
-                 gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
+                 gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int | None = None,
                  input_is_shared: bool = False, transposed: bool = False, fused: int = 1,
-                 mesh: Mesh | None = None, device=None, dtype=None):
+                 shared_input: SharedInput | None = None, mesh: Mesh | None = None, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh if mesh is not None else current_mesh()
         self.axis, self.in_features, self.out_features = axis, in_features, out_features
         self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
         self.input_is_shared, self.transposed, self.fused = input_is_shared, transposed, fused
+        self.shared_input = shared_input
         if fused > 1 and gather_output:
             raise ValueError("a fused column layer cannot gather its output")
         self.lo, self.hi = shard_range(out_features // fused, self.mesh.size(axis), self.mesh.index(axis))
@@ -139,11 +220,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_shared:
-            pass  # the parent module already applied pvary / the sequence all-gather once for the group
-        elif self.sequence_parallel:
-            x = all_gather(x, self.axis, self.seq_dim, mesh=self.mesh)
+            pass  # after an SP exit: its all-gather's backward (a reduce-scatter) already sums the input gradients
         else:
-            x = pvary(x, self.axis, mesh=self.mesh)
+            if self.sequence_parallel:
+                dim = seq_dim_of(x, self.seq_dim)
+                kind, op = ("gather", self.axis, dim), lambda t: all_gather(t, self.axis, dim, mesh=self.mesh)
+            else:
+                kind, op = ("pvary", self.axis), lambda t: pvary(t, self.axis, mesh=self.mesh)
+            x = self.shared_input.apply(x, kind, op) if self.shared_input is not None else op(x)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         if self.gather_output:
             y = gather_from_region(y, self.axis, -1, self.out_features, mesh=self.mesh)
@@ -169,7 +253,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, axis: str = "tp",
-                 sequence_parallel: bool = False, seq_dim: int = 1, transposed: bool = False,
+                 sequence_parallel: bool = False, seq_dim: int | None = None, transposed: bool = False,
                  mesh: Mesh | None = None, device=None, dtype=None):
         super().__init__()
         self.mesh = mesh if mesh is not None else current_mesh()
@@ -203,7 +287,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.t() if self.transposed else self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter(y, self.axis, self.seq_dim, mesh=self.mesh)
+            y = reduce_scatter(y, self.axis, seq_dim_of(y, self.seq_dim), mesh=self.mesh)
         else:
             y = all_reduce(y, self.axis, mesh=self.mesh)
         return y if self.bias is None else y + self.bias

@@ -5,28 +5,43 @@ Lowering (after :mod:`tensor_rules` decided the roles):
 1. every planned module is replaced in its parent by its parallel form, keeping the attribute
    name, so parameter names do not change; a tied tensor (embedding and LM head) becomes one
    local parameter shared by both new modules;
-2. column layers that share their parent's input (q/k/v; gate/up; fc_in) take it from one
-   ``pvary`` (or one sequence all-gather) applied in a forward pre-hook of the parent, so the
-   backward does one all-reduce per group, as Megatron's fused QKV does;
-3. with ``sequence_parallel``: the input of ``plan.sp_entry`` (GPT-2's embedding dropout
+2. column layers that read the same input tensor (q/k/v; gate/up; fc_in) apply one ``pvary``
+   to it (:class:`~shardlib.parallel.tensor.SharedInput`), so the backward does one all-reduce
+   per input, as Megatron's fused QKV does; under sequence parallelism the parent of a group
+   (the attention or MLP module) all-gathers its input along the sequence once, in a forward
+   pre-hook, so its own code (HF attention reshapes by its input's shape) sees the whole
+   sequence;
+3. an attention module whose projections are split by heads gets its head-count attributes
+   (``num_heads``, ``num_key_value_heads``, ...; the widths ``embed_dim``, ``inner_dim``,
+   ``all_head_size`` ... that equal heads x head_dim; and a private copy of its ``config``
+   with ``num_attention_heads``/``num_key_value_heads``) set to this rank's values, as GPT-2's
+   ``split_size`` is: HF attention code that reshapes by ``self.num_heads`` then sees the local
+   heads;
+4. with ``sequence_parallel``: the input of ``plan.sp_entry`` (GPT-2's embedding dropout
    ``drop``, or LLaMA's first decoder layer) is split along the sequence (a pipeline stage
-   after the first has no entry: it receives the sequence shard); norm weights and
-   row-layer biases get their gradient summed over the tensor axis.
+   after the first has no entry: it receives the sequence shard);
+5. the parameters in ``plan.sp_grad_params`` (norm weights, row biases and every replicated
+   parameter of the blocks under sequence parallelism; per-head norms inside split attention
+   without it) get their gradient summed over the tensor axis.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import copy
+
 import torch
 from torch import nn
 
 from ..errors import ShardingError
-from ..mesh.collectives import all_gather, pvary
-from ..mesh.regions import scatter_to_region
-from .tensor import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, VocabParallelEmbedding, sum_grad_over
+from ..mesh.collectives import all_gather
+from ..mesh.regions import gather_from_region, scatter_to_region
+from .tensor import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SharedInput, VocabParallelEmbedding,
+                     sum_grad_over)
+from .tensor_rules import head_counts
 
-__all__ = ["lower_tensor_parallel"]
+__all__ = ["lower_tensor_parallel", "LOCALIZED"]
 
 
 def _replace_first_tensor(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -51,7 +66,8 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
         return model, hooks
     sp = plan.sequence_parallel
     local_of: dict[int, nn.Parameter] = {}
-    groups: dict[str, str] = {}
+    shared_input = SharedInput()
+    attention: dict[str, str] = {}
     for layer in plan.tp_layers:
         parent_path, _, attr = layer.path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -60,15 +76,15 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
         if layer.kind == "column":
             new = ColumnParallelLinear.from_linear(
                 old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer,
-                sequence_parallel=sp, fused=layer.fused,
-                # grouped: the parent applies the input op once; after an SP exit the all-gather's
-                # backward (a reduce-scatter) already sums the partial input gradients
-                input_is_shared=bool(layer.group) or bool(sp and layer.output_layer and plan.sp_exit))
+                sequence_parallel=sp, fused=layer.fused, shared_input=shared_input,
+                # under SP a grouped layer's parent gathers the sequence once (below); after an SP
+                # exit the all-gather's backward (a reduce-scatter) already sums the input gradients
+                input_is_shared=bool(sp and (layer.group or (layer.output_layer and plan.sp_exit))))
             block = layer.out_features // layer.fused
             if layer.fused > 1 and getattr(parent, "split_size", None) == block:
                 parent.split_size = new.hi - new.lo  # GPT-2 splits c_attn's output by this width
             if layer.group:
-                groups[layer.group] = axis
+                attention[layer.group] = axis
         elif layer.kind == "row":
             new = RowParallelLinear.from_linear(old, mesh, axis, transposed=layer.transposed, sequence_parallel=sp)
         elif layer.kind == "vocab":
@@ -87,21 +103,72 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
         else:
             model = new
 
-    for group, axis in groups.items():
+    for group, axis in attention.items():
         parent = model.get_submodule(group) if group else model
-        if sp:
-            op = lambda t, axis=axis: all_gather(t, axis, 1, mesh=mesh)  # noqa: E731
-        else:
-            op = lambda t, axis=axis: pvary(t, axis, mesh=mesh)  # noqa: E731
-        hooks.append(parent.register_forward_pre_hook(lambda m, a, k, op=op: _replace_first_tensor(a, k, op), with_kwargs=True))
+        _local_head_counts(parent, mesh.size(axis))
+        if sp:  # the module's own code (HF attention reads its input's shape) sees the whole sequence
+            gather = lambda t, axis=axis: all_gather(t, axis, 1, mesh=mesh)  # noqa: E731
+            hooks.append(parent.register_forward_pre_hook(
+                lambda m, a, k, op=gather: _replace_first_tensor(a, k, op), with_kwargs=True))
 
+    axis = plan.tp_layers[0].axis
     if sp:
-        axis = plan.tp_layers[0].axis
         hooks += _enter_sequence_parallel(model, plan, mesh, axis)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        for name in plan.sp_grad_params:
-            sum_grad_over(params[name], axis, mesh)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in plan.sp_grad_params:
+        sum_grad_over(params[name], axis, mesh)
     return model, hooks
+
+
+_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
+                "n_kv_heads", "num_kv")
+_WIDTH_ATTRS = ("embed_dim", "inner_dim", "all_head_size", "hidden_size", "hidden_size_per_partition", "d_inner",
+                "kv_dim", "q_dim")
+
+
+LOCALIZED = frozenset(_COUNT_ATTRS + _WIDTH_ATTRS)  # attribute names the lowering sets to this rank's value
+
+
+def _local_head_counts(parent: nn.Module, n: int) -> None:
+    """Set the head counts (and widths of heads x head_dim) an attention module holds to this
+    rank's share (``n`` ranks; the plan checked that heads and key/value heads divide by ``n``)."""
+    head_dim, heads, kv_heads = head_counts(parent)
+    if not heads or not head_dim:
+        return
+    local = {heads: heads // n}
+    if kv_heads:
+        local[kv_heads] = kv_heads // n  # a GQA ratio (num_key_value_groups) is unchanged
+    widths = {heads * head_dim: heads // n * head_dim}
+    if kv_heads:
+        widths[kv_heads * head_dim] = kv_heads // n * head_dim
+    for name in _COUNT_ATTRS:
+        value = parent.__dict__.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value in local:
+            setattr(parent, name, local[value])
+    for name in _WIDTH_ATTRS:
+        value = parent.__dict__.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value in widths:
+            setattr(parent, name, widths[value])
+    cfg = parent.__dict__.get("config")
+    if cfg is not None and any(isinstance(getattr(cfg, k, None), int) for k in ("num_attention_heads", "num_key_value_heads")):
+        cfg = copy.copy(cfg)  # the model's config is shared by every module: this attention gets its own
+        for key in ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value in local:
+                try:
+                    setattr(cfg, key, local[value])
+                except Exception:  # a read-only alias (attribute_map) of another key
+                    pass
+        parent.config = cfg
+
+
+def _map_first(out, fn):
+    """``out`` with its first floating tensor replaced by ``fn(it)`` (a block may return a tuple)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]),) + out[1:]
+    return out
 
 
 def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) -> list:
@@ -121,6 +188,11 @@ def _enter_sequence_parallel(model: nn.Module, plan: Any, mesh: Any, axis: str) 
         split = lambda t: scatter_to_region(check(t), axis, 1, mesh=mesh)  # noqa: E731
         hooks.append(entry.register_forward_pre_hook(lambda m, a, k: _replace_first_tensor(a, k, split), with_kwargs=True))
     if plan.sp_exit:
-        gather = lambda m, a, out: all_gather(out, axis, 1, mesh=mesh)  # noqa: E731
+        if any(layer.output_layer for layer in plan.tp_layers):
+            # a column-parallel output layer reads the gathered sequence: its partial input
+            # gradients are summed by the all-gather's backward (a reduce-scatter)
+            gather = lambda m, a, out: _map_first(out, lambda t: all_gather(t, axis, 1, mesh=mesh))  # noqa: E731
+        else:  # replicated layers after the exit: their gradients are whole, keep this rank's slice
+            gather = lambda m, a, out: _map_first(out, lambda t: gather_from_region(t, axis, 1, mesh=mesh))  # noqa: E731
         hooks.append(model.get_submodule(plan.sp_exit).register_forward_hook(gather))
     return hooks

@@ -30,7 +30,9 @@ from torch import nn
 from ..errors import ShardingError
 from ..spec import PartitionSpec
 
-__all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout"]
+__all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout", "split_region_params",
+           "is_attention", "head_counts", "region_blocks",
+           "with_sum_globs"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,21 @@ def _is_norm(m: nn.Module) -> bool:
     return "Norm" in type(m).__name__
 
 
+_HEAD_ATTRS = ("head_dim", "head_size", "num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_groups")
+
+
+def is_attention(m: nn.Module) -> bool:
+    """An attention module: its class is named like one, or it holds a head size or count itself.
+    (An MLP that keeps a reference to the model config, as HF's ``LlamaMLP`` does, is not.)"""
+    name = type(m).__name__.lower()
+    return "attention" in name or "attn" in name or any(isinstance(getattr(m, a, None), int) for a in _HEAD_ATTRS)
+
+
 def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
-    """(head_dim, heads, kv_heads) read off an attention module or its config, when present."""
+    """(head_dim, heads, kv_heads) read off an attention module or its config, when present;
+    ``(None, None, None)`` for a module that is not attention (:func:`is_attention`)."""
+    if not is_attention(m):
+        return None, None, None
     cfg = getattr(m, "config", None)
 
     def first(*names):
@@ -80,8 +95,13 @@ def _heads(m: nn.Module) -> tuple[int | None, int | None, int | None]:
                     return value
         return None
 
-    return (first("head_dim", "head_size"), first("num_heads", "n_head", "num_attention_heads"),
+    return (first("head_dim", "head_size", "key_value_proj_dim", "d_kv"), first("num_heads", "n_head", "n_heads", "num_attention_heads"),
             first("num_key_value_heads", "num_kv_heads", "n_kv_head"))
+
+
+def head_counts(m: nn.Module) -> tuple[int | None, int | None, int | None]:
+    """Public name of :func:`_heads` for the lowering: ``(head_dim, heads, kv_heads)``."""
+    return _heads(m)
 
 
 def analyze_tensor_parallel(
@@ -269,8 +289,10 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     Entry default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the
     first block of the longest ``ModuleList`` (the decoder layers: LLaMA), so masks and positions
     are built on the whole sequence before the split. Exit: a module whose output is gathered
-    along the sequence (GPT-2's ``ln_f``); default none (the output layer gathers). Norm weights
-    and row-layer biases run on sequence shards, so their gradients are partial sums.
+    along the sequence (GPT-2's ``ln_f``); default none when a tensor-parallel output layer (the
+    LM head) gathers, else the last block. Every replicated parameter of the blocks, the norms
+    after them up to the gather, and row-layer biases run on sequence shards, so their gradients
+    are partial sums.
 
     Raises:
         ShardingError: an entry or exit that is not a module; no entry found.
@@ -292,9 +314,95 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
                 f"the embeddings or a ModuleList of blocks; {type(model).__name__} has neither. Fix: pass sp_entry='<path>'"
             )
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
+    split = _tp_param_names(tp_layers)
+    blocks = region_blocks(modules, entry)
+    if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
+        exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
+    order = list(modules)
+    first = order.index(blocks[0]) if blocks and blocks[0] in modules else 0
     names = []
     for mname, module in model.named_modules():
+        in_block = any(mname == b or mname.startswith(b + ".") for b in blocks)
+        # a norm outside the blocks runs on sequence shards if it comes after them and before the
+        # gather: the output layer's (no exit) or the exit's own output (GPT-2's ln_f)
+        loose_norm = ("Norm" in type(module).__name__ and not in_block and order.index(mname) > first
+                      and (exit_ is None or mname == exit_))
         for pname, prm in module.named_parameters(prefix=mname, recurse=False):
-            if prm.requires_grad and ("Norm" in type(module).__name__ or pname in row_biases):
+            if prm.requires_grad and pname not in split and (in_block or loose_norm or pname in row_biases):
                 names.append(pname)
     return entry, exit_ or "", tuple(dict.fromkeys(names))
+
+
+def _tp_param_names(tp_layers) -> set[str]:
+    """Names of the parameters split over the tensor axis (column/row weights, column biases)."""
+    out = set()
+    for layer in tp_layers:
+        out.add(f"{layer.path}.weight" if layer.path else "weight")
+        if layer.kind == "column":
+            out.add(f"{layer.path}.bias" if layer.path else "bias")
+    return out
+
+
+def region_blocks(modules: dict, entry: str) -> list[str]:
+    """The blocks that run inside the sequence-parallel region: the entry block and those after
+    it in its ``ModuleList`` (LLaMA's ``model.layers.0`` onward), or, for an entry that is not a
+    block (GPT-2's ``drop``), every block of the longest ``ModuleList``."""
+    parent, _, idx = entry.rpartition(".")
+    if idx.isdigit() and isinstance(modules.get(parent), nn.ModuleList):
+        return [f"{parent}.{i}" for i in range(int(idx), len(modules[parent]))]
+    lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name = max(lists, key=lambda t: t[0])[1]
+    return [f"{name}.{i}" for i in range(len(modules[name]))]
+
+
+def split_region_params(model: nn.Module, tp_layers) -> tuple[str, ...]:
+    """Replicated parameters used on feature-split activations without sequence parallelism.
+
+    Inside an attention or MLP module whose projections are column/row parallel, a module that is
+    not itself a parallel layer (Qwen3's per-head ``q_norm``/``k_norm``) runs on this rank's
+    heads only, so each rank's gradient of its replicated weight is a partial sum over heads:
+    it is summed over the tensor axis (HF's tp plan calls this "replicated_with_grad_allreduce").
+    Row-layer biases are added once after the reduction, so their gradients are whole already.
+    A group whose parent is a block of a ``ModuleList`` (MLP projections directly in OPT's decoder
+    layer) is not searched: the parent's other modules run before the split (``shard(verify=True)``
+    checks every case on the real modules).
+    """
+    modules = dict(model.named_modules())
+    in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+    split = _tp_param_names(tp_layers) | {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
+    parents = {layer.group for layer in tp_layers if layer.group and layer.group not in in_lists}
+    names = []
+    for parent in sorted(parents):
+        for pname, prm in modules[parent].named_parameters(prefix=parent):
+            if prm.requires_grad and pname not in split:
+                names.append(pname)
+    return tuple(dict.fromkeys(names))
+
+
+def with_sum_globs(model: nn.Module, names: tuple[str, ...], globs, tp_layers) -> tuple[str, ...]:
+    """``names`` plus the replicated parameters matching a ``tp_sum_grads`` glob (their gradients
+    are summed over the tensor axis: used on split activations).
+
+    Raises:
+        ShardingError: a glob that matches no parameter; one matching a parameter split over the
+            tensor axis (its gradient is a slice, not a partial sum).
+    """
+    if not globs:
+        return names
+    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
+    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
+    out = list(names)
+    for pattern in globs:
+        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches no parameter of {type(model).__name__}")
+        bad = [n for n in hits if n in split]
+        if bad:
+            raise ShardingError(f"tp_sum_grads pattern {pattern!r} matches {bad[0]}, which is split over the tensor axis: "
+                                "only replicated parameters have partial-sum gradients. Fix: a narrower pattern")
+        out += hits
+    return tuple(dict.fromkeys(out))
+
+

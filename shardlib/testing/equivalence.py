@@ -59,19 +59,27 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
     local = [shardlib.distribute(t, mesh, spec) for t in batch]
     accum = harness["accum_steps"]
     micro = [tuple(t.chunk(accum, dim=0)[i] for t in local) for i in range(accum)]
+    pipeline = getattr(smodel, "pp_axis", None)  # a PipelineModule: the schedule runs forward and backward
     records = []
     for _ in range(steps):
         mesh.comm.reset()
         total = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(micro):
-            ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
-                loss.backward()
-            total += loss.detach().double()
+        if pipeline:
+            losses, _ = smodel.forward_backward(local[0], criterion=harness["loss_fn"], labels=tuple(local[1:]))
+            if losses is not None:  # the last stage: the mean of equal microbatches' mean losses
+                total += torch.stack(losses).double().mean()
+        else:
+            for i, mb in enumerate(micro):
+                ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
+                    loss.backward()
+                total += loss.detach().double()
         comm_bwd = mesh.comm.exact_bytes()
         mesh.comm.enabled = False
         global_loss = total.reshape(1).clone()
+        if pipeline:  # only the last stage holds the loss: the sum over pp gives it to every rank
+            raw_all_reduce(global_loss, mesh, pipeline)
         if axes:
             raw_all_reduce(global_loss, mesh, axes, op="avg")
         grads = shardlib.full_grads(smodel)
@@ -94,7 +102,8 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
                 "comm_backward_bytes": comm_bwd,
             }
         )
-    return {"records": records, "plan": smodel.plan, "explain": smodel.plan.explain()}
+    planned = smodel.pipeline_plan if pipeline else smodel.plan
+    return {"records": records, "plan": planned, "explain": planned.explain()}
 
 
 def _reference_run(make_model, batch, harness):
@@ -136,6 +145,10 @@ def assert_equivalent(
         specs: passed to :func:`shardlib.shard`.
         batch: global tensors; the model is called as ``model(*batch)`` (its output holds the
             loss, see :func:`loss_of`), or with ``loss_fn``: ``loss_fn(model(*batch[:-1]), batch[-1])``.
+            On a mesh with a pipeline axis the batch is ``(x, y)`` and each sharded step is
+            ``smodel.forward_backward(x, criterion=loss_fn, labels=(y,))``: ``loss_fn`` then gets
+            the last pipeline layer's output (logits for a causal LM) and must be a mean over the
+            microbatch, as it is a mean over the batch in the single process.
         steps: optimizer steps.
         **options: harness options ``optimizer_cls`` (AdamW), ``optimizer_kwargs``
             (``{"lr": 1e-2}``), ``loss_fn``, ``accum_steps`` (micro-steps per step, all but the
@@ -145,14 +158,16 @@ def assert_equivalent(
 
     Returns:
         A report: ``{"losses": [(sharded, single), ...], "max_rel": {...}, "comm": [...],
-        "plan": Plan, "explain": str}``.
+        "plan": Plan, "explain": str}`` (on a pipeline mesh the plan is the
+        :class:`~shardlib.pipeline_plan.PipelinePlan`).
 
     Raises:
         AssertionError: a loss, gradient, norm or parameter differs beyond tolerance, or the
             ranks disagree on a full parameter; :class:`~shardlib.testing.tolerance.NotComparable`
             (an AssertionError) when rounding alone scatters the single-process run (a large
             learning rate over many steps): use fewer steps, a smaller lr, or float64.
-        ShardingError: the batch does not split evenly over data ranks and micro-steps.
+        ShardingError: the batch does not split evenly over data ranks and micro-steps; on a
+            pipeline mesh, no ``loss_fn``, a batch that is not ``(x, y)``, or ``accum_steps`` != 1.
     """
     from .pool import run_on
 
@@ -174,8 +189,16 @@ def assert_equivalent(
 
     torch.manual_seed(harness["seed"])
     probe = make_plan(make_model(), AbstractMesh(mesh_shape), specs, **options)  # errors early, here
-    data = probe.data_size * harness["accum_steps"]
     batch = tuple(batch)
+    if hasattr(probe, "whole"):  # a pipeline: one input, labels after it, the loss from loss_fn
+        if harness["loss_fn"] is None or harness["accum_steps"] != 1 or len(batch) != 2:
+            raise ShardingError(
+                f"assert_equivalent on the pipeline mesh {mesh_shape}: a pipeline step is forward_backward(x, "
+                f"criterion=loss_fn, labels=(y,)), so it needs loss_fn= (got {harness['loss_fn']!r}), a batch (x, y) "
+                f"(got {len(batch)} tensors) and accum_steps=1 (got {harness['accum_steps']})"
+            )
+        probe = probe.whole
+    data = probe.data_size * harness["accum_steps"]
     if batch[0].shape[0] % data:
         raise ShardingError(
             f"assert_equivalent: the batch of {batch[0].shape[0]} rows does not split evenly over "

@@ -1,0 +1,451 @@
+"""Prove a tensor-parallel lowering exact on the user's modules before training: ``shard(verify=True)``.
+
+The rules in :mod:`tensor_rules` decide roles from module types and names; they cannot see what
+a module's ``forward`` does with them. An embedding subclass that scales its output, an
+attention that reshapes by a global head count, a replicated parameter used on split
+activations, an all-reduce on the wrong tensor: each trains the wrong model without an error.
+So, before anything is lowered, every distinct unit the plan transforms is run twice on random
+input, unsharded and sharded, and the outputs and gradients are compared:
+
+- units: each decoder block (an element of a ``ModuleList``) holding column/row layers, or the
+  attention/MLP module itself when it is not inside a block; each parallel embedding; each
+  output layer (LM head). One instance per distinct (class, layout), so an 80-layer model costs
+  one block;
+- inputs: a block's real inputs (hidden states, masks, rotary embeddings) are captured by running
+  the unsharded model on a small random batch (token ids for a model that starts with an
+  embedding), stopped as soon as the last unit to capture was reached; embeddings get random
+  ids, output layers random activations;
+- both copies of a unit get the same random weights (a fixed seed, identical on every rank) in
+  float64, so an exact lowering agrees to ~1e-15 and any structural error shows at O(1e-2) or
+  more; the sharded copy is lowered exactly as :func:`lower_tensor_parallel` lowers the model
+  (sequence-split input and output for blocks inside the sequence-parallel region);
+- compared: the output, the input's gradient and every parameter's gradient (this rank's slice
+  of split ones). Errors are all-reduced (max) over the tensor axis, so every rank of the group
+  reaches the same verdict and raises the same :class:`~shardlib.errors.ShardingError`, naming
+  the unit, what differs, and the likely cause (a parameter whose per-rank gradients sum to the
+  right one: used on split activations; an embedding ``forward`` override; an attribute holding
+  a global size).
+
+This is the check the HF tp plans and Megatron leave to the user; torchtitan's parity tests do it
+once per model in CI. Cost: one forward and backward of one block per class, at shard() time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+from ..mesh.collectives import raw_all_reduce
+from ..spec import shard_range
+from .tensor_lower import LOCALIZED, lower_tensor_parallel
+from .tensor_rules import region_blocks, head_counts, is_attention
+from .tensor_verify_inputs import SEED, capture_inputs, sample_input, tree_map
+
+__all__ = ["verify_tensor_parallel", "TOLERANCE"]
+
+# Relative to the largest value of the tensor (and at least 1e-3 of the unit's largest gradient, so
+# a gradient that is zero in exact arithmetic, like an attention key bias, compares its noise to the
+# unit's scale). Measured: exact lowerings agree to <= 1e-15 in float64, and to <= 9.4e-8 where a
+# module computes in float32 internally (Gemma's RMSNorm casts to float); every defect class of
+# issue 14 shows at >= 3e-2 (a lost embedding scale 0.75, partial-sum gradients 0.5-0.9, a
+# misplaced all-reduce 0.7). 1e-5 sits two decades from both.
+TOLERANCE = 1e-5
+# models up to this many parameters are also checked whole (three float64 copies: 480 MB at the limit)
+WHOLE_MODEL_LIMIT = 20_000_000
+
+
+@dataclasses.dataclass
+class _Unit:
+    path: str
+    kind: str  # "block", "embedding", "output", "model" (the whole model, when small)
+    split_in: bool = False  # sequence-parallel: the input arrives split along dim 1
+    split_out: bool = False  # ... and the output leaves split
+    inputs: tuple | None = None  # (args, kwargs), captured or synthesized
+
+
+def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | None:
+    """Check, on ``model``'s own module classes, that ``plan``'s tensor parallelism is exact.
+
+    Call before the lowering, on every rank of the mesh (each tensor-parallel group runs its
+    collectives); ``model`` is not changed.
+
+    Args:
+        model: the unsharded model, as given to ``shard()``.
+        plan: the :class:`~shardlib.plan.Plan` about to be applied (``verify``, ``verify_input``,
+            ``tp_layers``, ``sequence_parallel``, ``sp_grad_params`` are read).
+        mesh: the :class:`~shardlib.mesh.Mesh`.
+
+    Returns:
+        ``{"units": [paths checked], "skipped": reason or None, "max_error": float}``, or None when
+        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``).
+
+    Raises:
+        ShardingError: a unit whose sharded output or gradients differ from the unsharded ones
+            (the message names the unit, the tensors and the likely cause), or a model the check
+            cannot run (no sample input can be built: pass ``verify_input=``).
+    """
+    if not getattr(plan, "verify", True) or not plan.tp_layers:
+        return None
+    axis = plan.tp_layers[0].axis
+    n = mesh.size(axis)
+    if n == 1:
+        return None
+    if any(p.is_meta for p in model.parameters()):
+        return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
+    units = _units(model, plan)
+    capture_inputs(model, plan, units, n)
+    if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
+        # small enough to run whole: also proves how the units compose (the sequence-parallel
+        # entry and exit, replicated layers between them), which no single unit shows
+        units.append(_Unit("", "model", inputs=sample_input(model, plan, n)))
+    index = mesh.index(axis)
+    results = []  # (unit, [(what, error, is_replicated_param_name or None)])
+    for unit in units:
+        if unit.inputs is None:
+            continue  # never called by the sample forward: it does not take part in training either
+        results.append((unit, _check(model, plan, mesh, axis, n, index, unit)))
+    errors = torch.tensor([e for _, checks in results for _, e, _ in checks] + [0.0], dtype=torch.float64,
+                          device=_device(model))
+    raw_all_reduce(errors, mesh, axis, op="max", note="verify")
+    errors = errors.tolist()
+    i = 0
+    failures = []
+    for unit, checks in results:
+        for what, _, replicated in checks:
+            if errors[i] > TOLERANCE:
+                failures.append((unit, what, errors[i], replicated))
+            i += 1
+    if failures:
+        partial = _partial_sums(model, plan, mesh, axis, failures)
+        raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
+    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0)}
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live: the device the backend communicates on (NCCL: CUDA)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+# -- which units -------------------------------------------------------------------------------
+def _units(model: nn.Module, plan: Any) -> list[_Unit]:
+    modules = dict(model.named_modules())
+    in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+    region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
+    seen: set = set()
+    units = []
+
+    def add(path: str, kind: str, **kw) -> None:
+        inside = tuple(sorted((_rel(l.path, path), l.kind, l.fused) for l in plan.tp_layers if _inside(l.path, path)))
+        key = (type(modules[path]), kind, inside, kw.get("split_in", False))
+        if key not in seen:
+            seen.add(key)
+            units.append(_Unit(path, kind, **kw))
+
+    for layer in plan.tp_layers:
+        if layer.kind in ("vocab", "embed_dim"):
+            add(layer.path, "embedding")
+        elif layer.output_layer:
+            add(layer.path, "output", split_in=bool(plan.sequence_parallel and not plan.sp_exit))
+        else:
+            anchor = layer.group or layer.path.rpartition(".")[0]
+            block = next((a for a in _ancestors(anchor) if a in in_lists), anchor)
+            sp = block in region
+            add(block, "block", split_in=sp, split_out=sp)
+    return units
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _inside(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def _rel(path: str, root: str) -> str:
+    return path if root == "" else ("" if path == root else path[len(root) + 1:])
+
+
+# -- one unit ----------------------------------------------------------------------------------
+def _randomize(module: nn.Module) -> None:
+    """Same random float64 weights on every rank: norms near 1, other vectors near 0, matrices
+    scaled by 1/sqrt(fan-in) so activations stay O(1)."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    with torch.no_grad():
+        for mname, m in module.named_modules():
+            for pname, p in m._parameters.items():
+                if p is None or not p.is_floating_point():
+                    continue
+                r = torch.randn(p.shape, generator=g, dtype=torch.float64)
+                if p.dim() >= 2:
+                    r /= min(p.shape) ** 0.5
+                else:
+                    r = r * 0.2 + (1.0 if "norm" in type(m).__name__.lower() else 0.0)
+                p.copy_(r.to(p.device))
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    return None
+
+
+def _split(x: torch.Tensor, n: int, index: int, dim: int = 1) -> torch.Tensor:
+    lo, hi = shard_range(x.shape[dim], n, index)
+    return x.narrow(dim, lo, hi - lo)
+
+
+def _mini_plan(plan: Any, root: str, sp: bool) -> SimpleNamespace:
+    layers = tuple(dataclasses.replace(l, path=_rel(l.path, root), group=_rel(l.group, root) if l.group else "")
+                   for l in plan.tp_layers if _inside(l.path, root))
+    names = tuple(_rel(x, root) for x in plan.sp_grad_params if _inside(x, root))
+    return SimpleNamespace(tp_layers=layers, sequence_parallel=sp, sp_entry=None, sp_exit="", sp_grad_params=names)
+
+
+def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int, unit: _Unit) -> list:
+    """[(what, relative error, replicated parameter name or None)] for one unit (the same list,
+    in the same order, on every rank: errors are reduced over the axis afterwards)."""
+    original = model.get_submodule(unit.path) if unit.path else model
+    dtype = _dtype_for(original, unit)
+    ref = copy.deepcopy(original).to(dtype)
+    _randomize(ref)
+    ref.eval()
+    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    if unit.kind == "model":
+        mini = SimpleNamespace(tp_layers=plan.tp_layers, sequence_parallel=plan.sequence_parallel, sp_entry=plan.sp_entry,
+                               sp_exit=plan.sp_exit, sp_grad_params=plan.sp_grad_params)
+    split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
+    checks: list = [("output", None), ("input gradient", None)]
+    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
+               for name, p in ref.named_parameters() if p.requires_grad]
+
+    def run(module, split):
+        args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
+        args, kwargs = tree_map(lambda x: x.clone(), (args, kwargs))
+        first = _first_float(args, kwargs)
+        if first is not None:
+            if split:
+                first = _split(first, n, index).clone()
+            first.requires_grad_(True)
+            args, kwargs = _put_first_float(args, kwargs, first)
+        out = _first_tensor(module(*args, **kwargs))
+        return first, out
+
+    x_ref, y_ref = run(ref, False)
+    g = torch.Generator().manual_seed(SEED + 3)
+    cot = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(y_ref.device, y_ref.dtype)
+    (y_ref * cot).sum().backward()
+    scale = max([float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel()] + [0.0])
+
+    grads = copy.deepcopy(ref)  # the reference gradients, sliced by the same lowering as the weights
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(ref.named_parameters(), grads.named_parameters()):
+            q.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    try:
+        shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
+        grads, _ = lower_tensor_parallel(grads, SimpleNamespace(**{**vars(mini), "sp_grad_params": ()}), mesh)
+        x_s, y_s = run(shd, unit.split_in)
+        cot_s = _split(cot, n, index) if unit.split_out else cot
+        if y_s is None or y_s.shape != cot_s.shape:
+            raise RuntimeError(f"output shape {None if y_s is None else tuple(y_s.shape)}, expected {tuple(cot_s.shape)}")
+        (y_s * cot_s).sum().backward()
+    except ShardingError:
+        raise
+    except Exception as exc:
+        what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
+        return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
+    y_cmp = _split(y_ref, n, index) if unit.split_out else y_ref
+    out = [("output", _err(y_s, y_cmp), None)]
+    gx = None if x_ref is None or x_ref.grad is None else (_split(x_ref.grad, n, index) if unit.split_in else x_ref.grad)
+    out.append(("input gradient", _err(x_s.grad if x_s is not None else None, gx), None))
+    floor = 1e-3 * scale
+    sgrads = dict(shd.named_parameters())
+    rgrads = dict(grads.named_parameters())
+    for (what, replicated), (name, _) in zip(checks[2:], [(nm, p) for nm, p in ref.named_parameters() if p.requires_grad]):
+        mine = sgrads.get(name)
+        out.append((what, _err(mine.grad if mine is not None else None, rgrads.get(name), floor), replicated))
+    return out
+
+
+def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
+    """float64, unless the unit cannot run in it (grouped GEMMs of HF MoE experts take float32
+    at most): then float32. Decided by a forward of a throwaway copy, on this rank only (the same
+    code on every rank gives the same answer)."""
+    if unit.kind not in ("block", "model"):
+        return torch.float64
+    probe = copy.deepcopy(module).double()
+    args, kwargs = tree_map(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
+    try:
+        with torch.no_grad():
+            probe(*args, **kwargs)
+        return torch.float64
+    except Exception:
+        return torch.float32
+
+
+def _split_param_names(plan: Any) -> set[str]:
+    out = set()
+    for layer in plan.tp_layers:
+        out.add(_join(layer.path, "weight"))
+        if layer.kind == "column":
+            out.add(_join(layer.path, "bias"))
+    return out
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def _first_float(args, kwargs):
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    for key in ("hidden_states", "x", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor) and kwargs[key].is_floating_point():
+            return kwargs[key]
+    return None
+
+
+def _put_first_float(args, kwargs, value):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return args[:i] + (value,) + args[i + 1:], kwargs
+    for key in ("hidden_states", "x", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: value}
+    return args, kwargs
+
+
+def _err(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, floor) (0 when both are absent or zero; inf on a shape
+    mismatch)."""
+    if got is None and want is None:
+        return 0.0
+    if got is None or want is None:
+        other = got if want is None else want
+        return 0.0 if float(other.abs().max()) == 0.0 else float("inf")
+    if got.shape != want.shape:
+        return float("inf")
+    scale = max(float(want.detach().abs().max()) if want.numel() else 0.0, floor)
+    diff = float((got.detach() - want.detach()).abs().max()) if want.numel() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+# -- diagnosis ---------------------------------------------------------------------------------
+def _partial_sums(model, plan, mesh, axis, failures) -> set[str]:
+    """Names of failing replicated parameters whose gradients, summed over the axis, are right
+    (one all-reduce per such parameter, the same list on every rank)."""
+    names = sorted({(u.path, r) for u, _, _, r in failures if r is not None})
+    found = set()
+    by_path: dict[str, list[str]] = {}
+    for path, r in names:
+        by_path.setdefault(path, []).append(r)
+    for path, rels in by_path.items():
+        unit = next(u for u, _, _, _ in failures if u.path == path)
+        n, index = mesh.size(axis), mesh.index(axis)
+        sums = _summed_grads(model, plan, mesh, axis, n, index, unit, rels)
+        for rel, ok in sums.items():
+            if ok:
+                found.add(_join(path, rel))
+    return found
+
+
+def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bool]:
+    """Re-run the unit with no gradient sums installed; is the sum over ranks of each named
+    parameter's gradient equal to the unsharded one?"""
+    original = model.get_submodule(unit.path) if unit.path else model
+    dtype = _dtype_for(original, unit)
+    ref = copy.deepcopy(original).to(dtype)
+    _randomize(ref)
+    ref.eval()
+    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    mini.sp_grad_params = ()
+    shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
+    out = {}
+    for module, split in ((ref, False), (shd, unit.split_in)):
+        args, kwargs = tree_map(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
+        first = _first_float(args, kwargs)
+        if first is not None and split:
+            args, kwargs = _put_first_float(args, kwargs, _split(first, n, index).clone())
+        y = _first_tensor(module(*args, **kwargs))
+        cot = torch.randn(y.shape if not (split and unit.split_out) else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
+                          generator=torch.Generator().manual_seed(SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
+        if split and unit.split_out:
+            cot = _split(cot, n, index)
+        (y * cot).sum().backward()
+    want = dict(ref.named_parameters())
+    have = dict(shd.named_parameters())
+    for rel in rels:
+        g = have[rel].grad.detach().clone() if have[rel].grad is not None else torch.zeros_like(have[rel])
+        raw_all_reduce(g, mesh, axis, note="verify")
+        out[rel] = _err(g, want[rel].grad, 1e-3 * max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)) <= TOLERANCE
+    return out
+
+
+def _message(model, plan, mesh, axis, failures, partial) -> str:
+    n = mesh.size(axis)
+    lines = []
+    for unit, what, err, replicated in failures[:12]:
+        m = model.get_submodule(unit.path) if unit.path else model
+        head = f"  {unit.kind} {unit.path or '<root>'} ({type(m).__name__}): "
+        lines.append(head + (what if what.startswith("the sharded") else f"{what} differs (max relative error {err:.2g})"))
+    causes = []
+    if partial:
+        causes.append(
+            f"{', '.join(sorted(partial)[:6])} {'is' if len(partial) == 1 else 'are'} replicated but used on activations "
+            f"split over {axis!r} (inside the attention heads or on sequence shards): each rank's gradient is a partial sum "
+            f"(the sum over the {n} ranks matches). Fix: tp_sum_grads=['<glob>'] to sum their gradients over {axis!r} "
+            "(HF calls this replicated_with_grad_allreduce), or split the module that uses them")
+    for unit in {u.path: u for u, _, _, _ in failures}.values():
+        m = model.get_submodule(unit.path) if unit.path else model
+        if unit.kind == "embedding" and type(m) is not nn.Embedding and type(m).forward is not nn.Embedding.forward:
+            causes.append(f"{type(m).__name__}.forward overrides nn.Embedding.forward without reaching the parallel lookup "
+                          "through super().forward(ids): it reads this rank's rows as the whole table")
+        hints = _global_sizes(m, [_rel(l.path, unit.path) for l in plan.tp_layers if _inside(l.path, unit.path)])
+        if hints and unit.kind == "block":
+            causes.append(f"what may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
+        if unit.split_in:
+            mixers = [p for p, c in m.named_modules() if is_attention(c) and not any(
+                _inside(l.path, _join(unit.path, p)) for l in plan.tp_layers)]
+            if mixers:
+                causes.append(f"{', '.join(mixers[:4])} mix positions (attention) but are replicated inside the "
+                              "sequence-parallel region, where each rank holds only part of the sequence")
+    if not causes:
+        causes.append("the module's forward uses the split weights or activations in a way the column/row lowering does "
+                      "not model (a fused projection whose blocks are not declared with fused=, a global size, a reshape)")
+    return (f"shard(verify=True): the tensor-parallel lowering over {axis!r} (size {n}) of {type(model).__name__} is not "
+            f"exact on its own modules (mesh {dict(plan.mesh_shape)}; each unit run sharded and unsharded in float64 on "
+            f"random input, tolerance {TOLERANCE:g}):\n" + "\n".join(lines) + "\nLikely cause: " + "; ".join(causes) +
+            ".\nNothing was sharded. Fix the specs (leave the named modules replicated) or the model, or pass "
+            "verify=False to train anyway at your own risk")
+
+
+def _global_sizes(m: nn.Module, split: list[str]) -> list[str]:
+    """``path.attr=value`` for int attributes of split attention modules (holding a parallel
+    layer) that still equal a global head count or width."""
+    out = []
+    for path, c in m.named_modules():
+        if not is_attention(c) or not any(_inside(s_, path) and s_ != path for s_ in split):
+            continue
+        head_dim, heads, kv = head_counts(c)
+        for pname, prm in c.named_parameters():
+            owner = _join(path, pname.rpartition(".")[0])
+            if heads and heads in tuple(prm.shape) and not any(_inside(s_, owner) and s_ == owner for s_ in split):
+                out.append(f"{_join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
+        for k, v in vars(c).items():
+            if k in ("head_dim", "head_size", "key_value_proj_dim", "d_kv", "num_key_value_groups") or k in LOCALIZED:
+                continue  # per-head sizes and ratios are the same on every rank; the lowering made these local
+            if isinstance(v, int) and not isinstance(v, bool) and heads and v in (heads, kv or -1, heads * (head_dim or 0)):
+                out.append(f"{_join(path, k)}={v}")
+    return out

@@ -1,0 +1,135 @@
+"""Inputs for :mod:`tensor_verify`: a sample batch for the model and each unit's captured inputs.
+
+A block's inputs (hidden states, masks, rotary embeddings: whatever its parent passes) are
+captured by running the unsharded model on a small random batch with a forward pre-hook on the
+first instance of each unit class, stopped as soon as the last one was reached; embeddings get
+random ids and output layers random activations. Everything is drawn from fixed seeds, so every
+rank holds the same inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+
+__all__ = ["SEED", "sample_length", "sample_input", "capture_inputs", "tree_map"]
+
+SEED = 20261201
+
+
+class _Stop(Exception):
+    """Raised by the capture hooks once every unit's input is held."""
+
+def sample_length(model: nn.Module, n: int) -> int:
+    cfg = getattr(model, "config", None)
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len"):
+        value = getattr(cfg, key, None) if cfg is not None else None
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    t = n * max(1, -(-4 // n))  # >= 4 tokens, divisible by the tensor axis (sequence parallelism splits it)
+    if limit is not None and t > limit:
+        t = max(n, limit // n * n)
+    return t
+
+
+def sample_input(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
+    given = getattr(plan, "verify_input", None)
+    if given is not None:
+        args = given if isinstance(given, tuple) else (given,)
+        return args, {}
+    g = torch.Generator().manual_seed(SEED)
+    t = sample_length(model, n)
+    first = next((m for m in model.modules() if any(p is not None for p in m._parameters.values())), None)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if isinstance(first, nn.Embedding):
+        vocab = first.num_embeddings
+        cfg_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(cfg_vocab, int) and 0 < cfg_vocab < vocab:
+            vocab = cfg_vocab
+        ids = torch.randint(0, vocab, (2, t), generator=g).to(device)
+        kwargs = {}
+        try:
+            names = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            names = {}
+        if "decoder_input_ids" in names:  # encoder-decoder (T5, BART): the decoder reads ids too
+            kwargs["decoder_input_ids"] = ids.clone()
+        return (ids,), kwargs
+    if isinstance(first, nn.Linear):
+        dtype = first.weight.dtype
+        return (torch.randn(2, t, first.in_features, generator=g).to(device, dtype),), {}
+    raise ShardingError(
+        f"shard(verify=True) runs one block of {type(model).__name__} sharded and unsharded to prove the tensor-parallel "
+        f"lowering exact, but cannot build a sample input for it (its first module with parameters is "
+        f"{type(first).__name__ if first is not None else 'none'}, not an Embedding or Linear). Fix: pass "
+        "verify_input=<a small example batch, the same on every rank> (a tensor or a tuple of positional arguments), "
+        "or verify=False to skip the check")
+
+
+def capture_inputs(model: nn.Module, plan: Any, units: list, n: int) -> None:
+    """Fill each unit's ``inputs`` (units have ``path``, ``kind``, ``inputs``): synthesized for
+    embeddings and output layers, captured for blocks (and the whole model: the sample itself)."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    t = sample_length(model, n)
+    todo = {}
+    for unit in units:
+        m = model.get_submodule(unit.path) if unit.path else model
+        if unit.kind == "embedding":
+            unit.inputs = ((torch.randint(0, m.num_embeddings, (2, t), generator=g).to(m.weight.device),), {})
+        elif unit.kind == "output":
+            width = m.weight.shape[0] if type(m).__name__ == "Conv1D" else m.weight.shape[1]
+            unit.inputs = ((torch.randn(2, t, width, generator=g).to(m.weight.device, m.weight.dtype),), {})
+        else:
+            todo[unit.path] = unit
+    if not todo:
+        return
+    args, kwargs = sample_input(model, plan, n)
+    handles = []
+
+    def hook(path):
+        def pre(module, a, k):
+            if todo[path].inputs is None:
+                todo[path].inputs = tree_map(lambda x: x.detach().clone(), (a, k))
+            if all(u.inputs is not None for u in todo.values()):
+                raise _Stop
+        return pre
+
+    for path in todo:
+        m = model.get_submodule(path) if path else model
+        handles.append(m.register_forward_pre_hook(hook(path), with_kwargs=True))
+    was = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except _Stop:
+        pass
+    except Exception as exc:
+        raise ShardingError(
+            f"shard(verify=True) runs {type(model).__name__} on a sample input to capture the inputs of its "
+            f"tensor-parallel blocks, and the forward raised {type(exc).__name__}: {exc}. Fix: pass "
+            "verify_input=<a small example batch, the same on every rank>, or verify=False to skip the check") from exc
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in was:
+            m.training = mode
+
+
+def tree_map(fn, obj):
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(tree_map(fn, o) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(tree_map(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: tree_map(fn, v) for k, v in obj.items()}
+    return obj

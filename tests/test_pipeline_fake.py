@@ -1,0 +1,118 @@
+"""A pipeline step on torch's fake process group: one process plays every rank of the world.
+
+A fake group (``init_process_group("fake", store=FakeStore(), ...)``) completes every collective
+at once and moves nothing: a dry run of the real layout, whose shapes and counted bytes are those
+of the rank played. The default group of a process is made once, so the ranks run in a fresh
+interpreter (this file run as a script), one after another.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+
+def _play_every_rank(shape: dict, specs_name: str | None) -> list[dict]:
+    """In this process (no default group yet): shard a tiny LLaMA as each rank of ``shape`` on a
+    fake group, run one pipeline step and one optimizer step, and report what the rank saw."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import shardlib
+    from shardlib.models import llama_preset
+
+    cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    world = 1
+    for size in shape.values():
+        world *= size
+    x = torch.randint(0, 37, (8, 9), generator=torch.Generator().manual_seed(0))  # global (B, T + 1)
+    out = []
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = shardlib.init_mesh(shape)
+            torch.manual_seed(0)
+            specs = llama_preset().specs if specs_name else None
+            smodel = shardlib.shard(transformers.LlamaForCausalLM(cfg), mesh, specs, schedule="1f1b", microbatches=2,
+                                    zero_stage=1)
+            opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
+            local = shardlib.distribute(x, mesh, smodel.batch_spec)  # (B / dp, T + 1)
+            mesh.comm.reset()
+            losses, _ = smodel.forward_backward(
+                local[:, :-1], criterion=lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                                                            y.flatten()),
+                labels=(local[:, 1:],))
+            sent, calls = mesh.comm.bytes("pp", "send"), mesh.comm.calls("pp", "send")
+            opt.step()
+            pplan, index = smodel.pipeline_plan, mesh.index("pp")
+            tokens = local.shape[0] // pplan.m * (local.shape[1] - 1)  # per microbatch
+            out.append({"rank": rank, "pp": index, "losses": None if losses is None else [float(v) for v in losses],
+                        "sent": sent, "calls": calls, "planned_calls": pplan.transfers_per_step(index),
+                        "planned_bytes": pplan.transfers_per_step(index) * pplan.boundary_bytes(tokens)})
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+def _refuse_unknown_width() -> str:
+    """A pipeline without a config width cannot be dry-run on a fake group: refused, named."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import shardlib
+    from shardlib.errors import ShardingError
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = shardlib.init_mesh({"pp": 2})
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        smodel = shardlib.shard(model, mesh, microbatches=2)
+        with pytest.raises(ShardingError, match=r"fake process group: a fake receive fills no buffer, so each stage "
+                                                r"receives zeros of the planned boundary shape .* the width of "
+                                                r"Sequential is unknown"):
+            smodel.forward_backward(torch.zeros(4, 4), criterion=lambda y: y.sum())
+        return "refused"
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_fresh_process(what: str, *args) -> object:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, what, json.dumps(args)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("shape,specs", [({"pp": 2, "dp": 2}, None), ({"pp": 2, "dp": 2, "tp": 2}, "llama")])
+def test_pipeline_step_on_fake_group(shape, specs):
+    """Every rank of the world runs its step: the last stages get their microbatch losses, the
+    others (None, None); each counted its planned sends, of the planned boundary bytes."""
+    ranks = _in_fresh_process("play", shape, specs)
+    world = len(ranks)
+    assert [r["rank"] for r in ranks] == list(range(world)) and world == 2 * shape["dp"] * shape.get("tp", 1)
+    for r in ranks:
+        if r["pp"] == 1:
+            assert len(r["losses"]) == 2 and all(v == v and v > 0 for v in r["losses"])  # finite cross-entropies
+        else:
+            assert r["losses"] is None
+        assert r["calls"] == r["planned_calls"] == 2  # 2 microbatches: activations out of stage 0, gradients out of 1
+        assert r["sent"] == r["planned_bytes"] == 2 * 2 * 8 * 16 * 4  # (rows 2, seq 8, width 16) fp32, twice
+
+
+def test_fake_group_refuses_a_pipeline_of_unknown_width():
+    assert _in_fresh_process("refuse") == "refused"
+
+
+if __name__ == "__main__":  # the fresh process of _in_fresh_process
+    command, arguments = sys.argv[1], json.loads(sys.argv[2])
+    result = _play_every_rank(*arguments) if command == "play" else _refuse_unknown_width()
+    print(json.dumps(result))
