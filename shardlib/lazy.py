@@ -256,13 +256,14 @@ class LazyInit:
         return out
 
 
-def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None) -> None:
+def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None, root: nn.Module | None = None) -> None:
     """Give every meta parameter of ``model`` a placeholder on ``device`` (right shape, one
     element of storage: ZeroRuntime points it into its chunk) and allocate and fill meta buffers.
 
     Parameter objects are replaced (a meta tensor cannot change device in place): hooks set by
     the tensor-parallel lowering (gradient sums over the tensor axis) are installed again on
-    the new ones; other hooks on meta parameters are not carried over.
+    the new ones; other hooks on meta parameters are not carried over. ``root``: the whole model
+    when ``model`` is part of it (a pipeline stage), for its own init function (buffers).
     """
     from .parallel.tensor import sum_grad_over
 
@@ -281,11 +282,14 @@ def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None) -
                     sum_grad_over(new, axis, mesh)
                 new_of[id(prm)] = new
             module._parameters[key] = new
-    init_meta_buffers(model, device)
+    init_meta_buffers(model, device, root)
 
 
-def init_meta_buffers(model: nn.Module, device: torch.device) -> None:
+def init_meta_buffers(model: nn.Module, device: torch.device, root: nn.Module | None = None) -> None:
     """Allocate every meta buffer on ``device`` and have its module fill it (see the module doc).
+
+    ``root``: the whole model ``model`` is part of (a pipeline stage's modules belong to it),
+    whose own init function covers them; default ``model``.
 
     Raises:
         ShardingError: a meta buffer whose module defines no ``shardlib_init_buffers()``, is not
@@ -304,9 +308,10 @@ def init_meta_buffers(model: nn.Module, device: torch.device) -> None:
             hook = module.reset_running_stats
         if hook is None:  # the model's own init (Hugging Face's _init_weights) recomputes it
             if own_init is None:
-                own_init = {id(m): fn for m, fn in own_init_calls(model)}
+                own_init = {id(m): fn for m, fn in own_init_calls(model if root is None else root)}
             fn = own_init.get(id(module))
-            hook = lambda module=module, meta=meta, path=path, fn=fn: fill_buffers_from_own_init(model, module, meta, path, fn)
+            hook = lambda module=module, meta=meta, path=path, fn=fn: fill_buffers_from_own_init(
+                model if root is None else root, module, meta, path, fn)
             if fn is None:
                 hook()  # raises, naming the buffer
         for k in meta:
