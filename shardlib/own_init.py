@@ -99,6 +99,8 @@ def _rule_of(func: Any, args: tuple, kwargs: dict, target: torch.Tensor) -> tupl
         lo = rest[0] if rest else kwargs.get("from", 0.0)
         hi = rest[1] if len(rest) > 1 else kwargs.get("to", 1.0)
         return ("uniform", float(lo), float(hi))
+    if "out" in kwargs and not (args and args[0] is target):
+        return f"torch.{name}(..., out=)"
     if name == "zero_":
         return ("zeros",)
     if name == "fill_":
@@ -137,6 +139,8 @@ class _Writes(TorchFunctionMode):
         elif (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and args
               and getattr(func, "__objclass__", None) is torch._C.TensorBase):
             target = args[0]
+        elif isinstance(kwargs.get("out"), torch.Tensor):  # torch.eye(..., out=w): eye_'s way
+            target = kwargs["out"]
         if isinstance(target, torch.Tensor):
             key = _storage_key(target)
             if key in self.skip:

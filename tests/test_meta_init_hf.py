@@ -124,16 +124,19 @@ def test_own_init_rules_follow_each_family_init():
 class _OwnInit(nn.Module):
     """A model with its own HF-style _init_weights and a non-persistent buffer."""
 
-    def __init__(self, init_buffer=True, truncated=False):
+    def __init__(self, init_buffer=True, weight="kaiming"):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.register_buffer("scale", torch.tensor(3.0), persistent=False)
-        self.init_buffer, self.truncated = init_buffer, truncated
+        self.init_buffer, self.weight = init_buffer, weight
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
-            if self.truncated:
+            if self.weight == "trunc":
                 nn.init.trunc_normal_(module.weight, std=0.02)
+            elif self.weight == "eye":
+                nn.init.normal_(module.weight)
+                nn.init.eye_(module.weight)  # the last write wins, and no rule reproduces it
             else:
                 nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))  # what nn.Linear does
             nn.init.zeros_(module.bias)
@@ -158,7 +161,10 @@ def test_own_init_rules_and_buffers_of_a_custom_model():
 
 def test_own_init_that_no_rule_reproduces_is_refused():
     with torch.device("meta"):
-        model = _OwnInit(truncated=True)
+        eye, model = _OwnInit(weight="eye"), _OwnInit(weight="trunc")
+    with pytest.raises(shardlib.ShardingError, match=r"_OwnInit\._init_weights writes it with torch\.eye\(\.\.\., out=\), which "
+                       r"a rule cannot reproduce from global element indices"):
+        resolve_init_rules(eye)
     with pytest.raises(shardlib.ShardingError, match=r"parameter lin\.weight of shape \(4, 4\) has no init rule, and the "
                        r"model's own init cannot stand in for one: _OwnInit\._init_weights writes it with an init that "
                        r"does nothing on meta tensors \(it read Tensor\.is_meta: trunc_normal_"):
