@@ -284,14 +284,24 @@ def _pipeline_comm(pplan: Any, index: int, tokens: int) -> dict[tuple[str, str],
     return out
 
 
-def _loss_fn(config: Any):
+def _lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM's output (HF's ``.logits``, a ``(logits, ...)``
+    tuple, or the logits ``(B, T, V)``) against ``targets`` ``(B, T)``."""
+    logits = output.logits if hasattr(output, "logits") else output[0] if isinstance(output, tuple) else output
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _forward_backward(smodel: Any, config: Any, x: torch.Tensor) -> None:
+    """One step's forwards and backwards on the meta batch ``x`` ``(B, T)`` (its own labels):
+    a pipeline's ``forward_backward``, the reference GPT's own loss, or :func:`_lm_loss`."""
     from .models import GPTConfig
 
-    def lm_loss(output, targets):
-        logits = output.logits if hasattr(output, "logits") else output
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    return None if isinstance(config, GPTConfig) else lm_loss
+    if hasattr(smodel, "forward_backward"):
+        smodel.forward_backward(x, criterion=_lm_loss, labels=(x,))
+    elif isinstance(config, GPTConfig):
+        smodel(x, x)[1].backward()
+    else:
+        _lm_loss(smodel(input_ids=x), x).backward()
 
 
 def dry_run(model: Any = "gpt-7b", mesh: dict[str, int] | None = None, rank: int = 0, *, zero_stage: int = 3,
@@ -359,19 +369,10 @@ def dry_run(model: Any = "gpt-7b", mesh: dict[str, int] | None = None, rank: int
         t2 = time.perf_counter()
         opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-4)
         fmesh.comm.reset()  # the step's communication only (shard() may broadcast buffers)
-        x = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        loss_fn = _loss_fn(config)
+        _forward_backward(smodel, config, torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+        opt.step()
         is_pipeline = hasattr(smodel, "forward_backward")
         m = smodel.pipeline_plan.m if is_pipeline else 1
-        if is_pipeline:
-            smodel.forward_backward(x, criterion=loss_fn or (lambda out, y: out[1] if isinstance(out, tuple) else
-                                                            F.cross_entropy(out.flatten(0, 1).float(), y.flatten())),
-                                    labels=(x,))
-        elif loss_fn is None:
-            smodel(x, x)[1].backward()
-        else:
-            loss_fn(smodel(input_ids=x), x).backward()
-        opt.step()
         t3 = time.perf_counter()
         tokens = batch // m * seq
         plan = smodel.plan

@@ -222,6 +222,16 @@ def test_dry_run_command_line_and_refusals(runs):
             "one rank of a fake world of its own") in initialized
 
 
+def test_dry_run_refuses_an_unknown_dtype_before_any_world_is_made():
+    import torch.distributed as dist
+
+    from shardlib.dryrun import dry_run
+
+    with pytest.raises(shardlib.ShardingError, match=r"dry run: dtype 'int8' is not one of bf16, fp16, fp32"):
+        dry_run("gpt-7b", {"dp": 2}, dtype="int8")
+    assert not (dist.is_initialized() and dist.get_backend() == "fake")
+
+
 def test_materialize_on_is_scoped():
     from shardlib.lazy import default_device, materialize_on
 
