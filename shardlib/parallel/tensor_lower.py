@@ -7,10 +7,10 @@ Lowering (after :mod:`tensor_rules` decided the roles):
    local parameter shared by both new modules;
 2. column layers that read the same input tensor (q/k/v; gate/up; fc_in) apply one ``pvary``
    to it (:class:`~shardlib.parallel.tensor.SharedInput`), so the backward does one all-reduce
-   per input, as Megatron's fused QKV does; under sequence parallelism the parent of a group
-   (the attention or MLP module) all-gathers its input along the sequence once, in a forward
-   pre-hook, so its own code (HF attention reshapes by its input's shape) sees the whole
-   sequence;
+   per input, as Megatron's fused QKV does (under sequence parallelism: one sequence
+   all-gather per input); an attention module gathers its input along the sequence once, in a
+   forward pre-hook, so its own code (HF attention reshapes by its input's shape) sees the
+   whole sequence;
 3. an attention module whose projections are split by heads gets its head-count attributes
    (``num_heads``, ``num_key_value_heads``, ...; the widths ``embed_dim``, ``inner_dim``,
    ``all_head_size`` ... that equal heads x head_dim; and a private copy of its ``config``
@@ -39,7 +39,7 @@ from ..mesh.collectives import all_gather
 from ..mesh.regions import gather_from_region, scatter_to_region
 from .tensor import (ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, SharedInput, VocabParallelEmbedding,
                      sum_grad_over)
-from .tensor_rules import head_counts
+from .tensor_rules import head_counts, is_attention
 
 __all__ = ["lower_tensor_parallel", "LOCALIZED"]
 
@@ -74,12 +74,13 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
         old = getattr(parent, attr) if attr else model  # path "": the root module is the layer
         axis = layer.axis
         if layer.kind == "column":
+            # under SP an attention parent gathers the sequence once for its projections (below);
+            # after an SP exit the all-gather's backward (a reduce-scatter) sums the input gradients
+            gathered = _parent_gathers(model, layer.group) if sp and layer.group else False
             new = ColumnParallelLinear.from_linear(
                 old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer,
                 sequence_parallel=sp, fused=layer.fused, shared_input=shared_input,
-                # under SP a grouped layer's parent gathers the sequence once (below); after an SP
-                # exit the all-gather's backward (a reduce-scatter) already sums the input gradients
-                input_is_shared=bool(sp and (layer.group or (layer.output_layer and plan.sp_exit))))
+                input_is_shared=bool(sp and (gathered or (layer.output_layer and plan.sp_exit))))
             block = layer.out_features // layer.fused
             if layer.fused > 1 and getattr(parent, "split_size", None) == block:
                 parent.split_size = new.hi - new.lo  # GPT-2 splits c_attn's output by this width
@@ -106,7 +107,7 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
     for group, axis in attention.items():
         parent = model.get_submodule(group) if group else model
         _local_head_counts(parent, mesh.size(axis))
-        if sp:  # the module's own code (HF attention reads its input's shape) sees the whole sequence
+        if sp and _parent_gathers(model, group):  # its own code (HF attention reads its input's shape) sees it all
             gather = lambda t, axis=axis: all_gather(t, axis, 1, mesh=mesh)  # noqa: E731
             hooks.append(parent.register_forward_pre_hook(
                 lambda m, a, k, op=gather: _replace_first_tensor(a, k, op), with_kwargs=True))
@@ -160,6 +161,14 @@ def _local_head_counts(parent: nn.Module, n: int) -> None:
                 except Exception:  # a read-only alias (attribute_map) of another key
                     pass
         parent.config = cfg
+
+
+def _parent_gathers(model: nn.Module, group: str) -> bool:
+    """Under SP, whether the parent of a column/row group all-gathers its input along the
+    sequence for its projections: attention modules, whose code reads the sequence length off
+    its input. An MLP (or a block holding its MLP projections, OPT's decoder layer) leaves it to
+    each column layer, which gathers the tensor it reads (once per tensor: SharedInput)."""
+    return is_attention(model.get_submodule(group) if group else model)
 
 
 def _map_first(out, fn):

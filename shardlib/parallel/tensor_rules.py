@@ -318,15 +318,18 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     blocks = region_blocks(modules, entry)
     if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
         exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
-    order = list(modules)
-    first = order.index(blocks[0]) if blocks and blocks[0] in modules else 0
+    container = blocks[0].rpartition(".")[0].rpartition(".")[0] if blocks else None  # the blocks' list's parent
     names = []
     for mname, module in model.named_modules():
         in_block = any(mname == b or mname.startswith(b + ".") for b in blocks)
-        # a norm outside the blocks runs on sequence shards if it comes after them and before the
-        # gather: the output layer's (no exit) or the exit's own output (GPT-2's ln_f)
-        loose_norm = ("Norm" in type(module).__name__ and not in_block and order.index(mname) > first
-                      and (exit_ is None or mname == exit_))
+        # a norm outside the blocks runs on sequence shards if it follows them, before the gather
+        # (the output layer's, with no exit; or the exit's own output, GPT-2's ln_f): the final
+        # norm next to the block list (LLaMA's model.norm, OPT's decoder.final_layer_norm, which
+        # OPT registers before its layers); a norm of the embeddings (BLOOM's) runs before them
+        final_norm = (container is not None and mname.rpartition(".")[0] == container
+                      and "emb" not in mname.rpartition(".")[2])
+        loose_norm = ("Norm" in type(module).__name__ and not in_block
+                      and (mname == exit_ or (exit_ is None and final_norm)))
         for pname, prm in module.named_parameters(prefix=mname, recurse=False):
             if prm.requires_grad and pname not in split and (in_block or loose_norm or pname in row_biases):
                 names.append(pname)

@@ -45,7 +45,7 @@ from ..mesh.collectives import raw_all_reduce
 from ..spec import shard_range
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
 from .tensor_rules import region_blocks, head_counts, is_attention
-from .tensor_verify_inputs import SEED, capture_inputs, sample_input, tree_map
+from .tensor_verify_inputs import SEED, capture_inputs, run_device, sample_input, tree_map
 
 __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 
@@ -82,8 +82,11 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
         mesh: the :class:`~shardlib.mesh.Mesh`.
 
     Returns:
-        ``{"units": [paths checked], "skipped": reason or None, "max_error": float}``, or None when
-        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``).
+        ``{"units": [paths checked], "skipped": reason or None, "max_error": float, "unreached":
+        [units the sample forward never called (not checked)]}``, or None when
+        there is nothing to verify (no tensor axis of size > 1, or ``verify=False``). The check's
+        collectives are not counted in ``mesh.comm`` (they are not the training's); they appear in
+        the collective trace (the agreement on the verdict noted ``verify``).
 
     Raises:
         ShardingError: a unit whose sharded output or gradients differ from the unsharded ones
@@ -96,14 +99,24 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     n = mesh.size(axis)
     if n == 1:
         return None
-    if any(p.is_meta for p in model.parameters()):
-        return {"units": [], "skipped": "the model is on the meta device (nothing to run)", "max_error": 0.0}
+    if getattr(mesh, "fake", False):
+        return {"units": [], "skipped": "a fake process group (collectives move no data)", "max_error": 0.0,
+                "unreached": []}
+    counter = mesh.comm
+    enabled, counter.enabled = counter.enabled, False  # the check's traffic is not the training's
+    try:
+        return _verify(model, plan, mesh, axis, n)
+    finally:
+        counter.enabled = enabled
+
+
+def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
     units = _units(model, plan)
     capture_inputs(model, plan, units, n)
     if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
         # small enough to run whole: also proves how the units compose (the sequence-parallel
         # entry and exit, replicated layers between them), which no single unit shows
-        units.append(_Unit("", "model", inputs=sample_input(model, plan, n)))
+        units.append(_Unit("", "model", inputs=tree_map(lambda x: x.to(run_device(model)), sample_input(model, plan, n))))
     index = mesh.index(axis)
     results = []  # (unit, [(what, error, is_replicated_param_name or None)])
     for unit in units:
@@ -111,7 +124,7 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
             continue  # never called by the sample forward: it does not take part in training either
         results.append((unit, _check(model, plan, mesh, axis, n, index, unit)))
     errors = torch.tensor([e for _, checks in results for _, e, _ in checks] + [0.0], dtype=torch.float64,
-                          device=_device(model))
+                          device=run_device(model))
     raw_all_reduce(errors, mesh, axis, op="max", note="verify")
     errors = errors.tolist()
     i = 0
@@ -124,12 +137,8 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
     if failures:
         partial = _partial_sums(model, plan, mesh, axis, failures)
         raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
-    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0)}
-
-
-def _device(model: nn.Module) -> torch.device:
-    """Where the model's parameters live: the device the backend communicates on (NCCL: CUDA)."""
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+    return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0),
+            "unreached": [u.path for u in units if u.inputs is None]}
 
 
 # -- which units -------------------------------------------------------------------------------
@@ -213,22 +222,23 @@ def _mini_plan(plan: Any, root: str, sp: bool) -> SimpleNamespace:
     return SimpleNamespace(tp_layers=layers, sequence_parallel=sp, sp_entry=None, sp_exit="", sp_grad_params=names)
 
 
+def _unit_plan(plan: Any, unit: _Unit) -> SimpleNamespace:
+    """The plan fields :func:`lower_tensor_parallel` reads, for this unit alone (the whole model:
+    the plan's own, entry and exit included)."""
+    if unit.kind == "model":
+        return SimpleNamespace(tp_layers=plan.tp_layers, sequence_parallel=plan.sequence_parallel, sp_entry=plan.sp_entry,
+                               sp_exit=plan.sp_exit, sp_grad_params=plan.sp_grad_params)
+    return _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+
+
 def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int, unit: _Unit) -> list:
     """[(what, relative error, replicated parameter name or None)] for one unit (the same list,
     in the same order, on every rank: errors are reduced over the axis afterwards)."""
     original = model.get_submodule(unit.path) if unit.path else model
-    dtype = _dtype_for(original, unit)
-    ref = copy.deepcopy(original).to(dtype)
-    _randomize(ref)
-    ref.eval()
-    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
-    if unit.kind == "model":
-        mini = SimpleNamespace(tp_layers=plan.tp_layers, sequence_parallel=plan.sequence_parallel, sp_entry=plan.sp_entry,
-                               sp_exit=plan.sp_exit, sp_grad_params=plan.sp_grad_params)
+    mini = _unit_plan(plan, unit)
     split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
     checks: list = [("output", None), ("input gradient", None)]
-    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
-               for name, p in ref.named_parameters() if p.requires_grad]
+    dtype = torch.float64
 
     def run(module, split):
         args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
@@ -242,7 +252,21 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         out = _first_tensor(module(*args, **kwargs))
         return first, out
 
-    x_ref, y_ref = run(ref, False)
+    for dtype in (torch.float64, torch.float32):  # float32 where a kernel takes no float64 (HF MoE grouped GEMMs)
+        ref = _working_copy(original, dtype)
+        _randomize(ref)
+        ref.eval()
+        try:
+            x_ref, y_ref = run(ref, False)
+            break
+        except Exception as exc:  # the same on every rank: no collective ran yet
+            if dtype == torch.float32:
+                raise ShardingError(
+                    f"shard(verify=True): the unsharded {unit.kind} {unit.path or '<root>'} ({type(original).__name__}) "
+                    f"raised {type(exc).__name__}: {exc} on the inputs captured for it, so its tensor-parallel lowering "
+                    "cannot be checked. Fix: pass verify_input=<a small example batch>, or verify=False") from exc
+    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
+               for name, p in ref.named_parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(SEED + 3)
     cot = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(y_ref.device, y_ref.dtype)
     (y_ref * cot).sum().backward()
@@ -278,13 +302,28 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     return out
 
 
+def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``module`` in ``dtype``; on the meta device, materialized where the check runs
+    (weights are drawn by :func:`_randomize` anyway; float buffers drawn here, so nothing holds
+    uninitialized memory)."""
+    c = copy.deepcopy(module)
+    if any(t.is_meta for t in list(c.parameters()) + list(c.buffers())):
+        c = c.to_empty(device=run_device(module))
+        g = torch.Generator().manual_seed(SEED + 5)
+        with torch.no_grad():
+            for b in c.buffers():
+                if b.is_floating_point():
+                    b.copy_(torch.rand(b.shape, generator=g) + 0.5)
+    return c.to(dtype)
+
+
 def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
     """float64, unless the unit cannot run in it (grouped GEMMs of HF MoE experts take float32
     at most): then float32. Decided by a forward of a throwaway copy, on this rank only (the same
     code on every rank gives the same answer)."""
     if unit.kind not in ("block", "model"):
         return torch.float64
-    probe = copy.deepcopy(module).double()
+    probe = _working_copy(module, torch.float64)
     args, kwargs = tree_map(lambda x: x.double() if x.is_floating_point() else x, unit.inputs)
     try:
         with torch.no_grad():
@@ -335,8 +374,8 @@ def _err(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 0.0
     if got is None or want is None:
         other = got if want is None else want
         return 0.0 if float(other.abs().max()) == 0.0 else float("inf")
-    if got.shape != want.shape:
-        return float("inf")
+    if got.shape != want.shape or not bool(torch.isfinite(got).all()) or not bool(torch.isfinite(want).all()):
+        return float("inf")  # NaN on either side proves nothing: refused
     scale = max(float(want.detach().abs().max()) if want.numel() else 0.0, floor)
     diff = float((got.detach() - want.detach()).abs().max()) if want.numel() else 0.0
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
@@ -366,10 +405,10 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     parameter's gradient equal to the unsharded one?"""
     original = model.get_submodule(unit.path) if unit.path else model
     dtype = _dtype_for(original, unit)
-    ref = copy.deepcopy(original).to(dtype)
+    ref = _working_copy(original, dtype)
     _randomize(ref)
     ref.eval()
-    mini = _mini_plan(plan, unit.path, bool(plan.sequence_parallel and unit.split_in))
+    mini = _unit_plan(plan, unit)
     mini.sp_grad_params = ()
     shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
     out = {}

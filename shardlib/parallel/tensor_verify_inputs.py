@@ -47,7 +47,7 @@ def sample_input(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
     g = torch.Generator().manual_seed(SEED)
     t = sample_length(model, n)
     first = next((m for m in model.modules() if any(p is not None for p in m._parameters.values())), None)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = run_device(model)
     if isinstance(first, nn.Embedding):
         vocab = first.num_embeddings
         cfg_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -78,19 +78,32 @@ def capture_inputs(model: nn.Module, plan: Any, units: list, n: int) -> None:
     embeddings and output layers, captured for blocks (and the whole model: the sample itself)."""
     g = torch.Generator().manual_seed(SEED + 1)
     t = sample_length(model, n)
+    device = run_device(model)
     todo = {}
     for unit in units:
         m = model.get_submodule(unit.path) if unit.path else model
         if unit.kind == "embedding":
-            unit.inputs = ((torch.randint(0, m.num_embeddings, (2, t), generator=g).to(m.weight.device),), {})
+            unit.inputs = ((torch.randint(0, m.num_embeddings, (2, t), generator=g).to(device),), {})
         elif unit.kind == "output":
             width = m.weight.shape[0] if type(m).__name__ == "Conv1D" else m.weight.shape[1]
-            unit.inputs = ((torch.randn(2, t, width, generator=g).to(m.weight.device, m.weight.dtype),), {})
+            unit.inputs = ((torch.randn(2, t, width, generator=g).to(device, m.weight.dtype),), {})
         else:
             todo[unit.path] = unit
     if not todo:
         return
+    if any(p.is_meta for p in model.parameters()):
+        _capture_on_meta(model, plan, todo, n, device)
+        return
     args, kwargs = sample_input(model, plan, n)
+    _run_with_hooks(model, todo, args, kwargs)
+
+
+def _run_with_hooks(model: nn.Module, todo: dict, args: tuple, kwargs: dict) -> None:
+    """Run ``model(*args, **kwargs)`` in eval mode without gradients, holding each unit's first
+    call inputs; stop once all are held.
+
+    Raises:
+        ShardingError: the forward raised (the message says how to pass an input or skip)."""
     handles = []
 
     def hook(path):
@@ -133,3 +146,46 @@ def tree_map(fn, obj):
     if isinstance(obj, dict):
         return {k: tree_map(fn, v) for k, v in obj.items()}
     return obj
+
+
+def run_device(model: nn.Module) -> torch.device:
+    """Where the check runs: the parameters' device, or for a model on meta the device its
+    shards will be materialized on (:func:`shardlib.lazy.default_device`)."""
+    p = next(model.parameters(), None)
+    if p is None or not p.is_meta:
+        return p.device if p is not None else torch.device("cpu")
+    from ..lazy import default_device
+
+    return default_device()
+
+
+def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: torch.device) -> None:
+    """A model on the meta device: run its forward on meta tensors to learn the blocks' input
+    shapes, then fill them with fixed-seed values (floats normal; integers (positions) an arange
+    along the last dimension; booleans (masks) True). Both sides of the check read the same
+    inputs, so their values need only be finite. A forward that cannot run on meta leaves the
+    units without inputs (the report says they were not checked)."""
+    args, kwargs = sample_input(model, plan, n)
+    args, kwargs = tree_map(lambda x: x.to("meta"), (args, kwargs))
+    try:
+        _run_with_hooks(model, todo, args, kwargs)
+    except ShardingError:
+        for unit in todo.values():
+            unit.inputs = None
+        return
+    g = torch.Generator().manual_seed(SEED + 4)
+
+    def fill(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_meta:
+            return x.to(device)
+        if x.is_floating_point():
+            return torch.randn(x.shape, generator=g).to(device, x.dtype)
+        if x.dtype == torch.bool:
+            return torch.ones(x.shape, dtype=torch.bool, device=device)
+        last = x.shape[-1] if x.dim() else 1
+        return torch.arange(last, device=device).expand(x.shape).to(x.dtype).clone() if x.dim() else \
+            torch.zeros((), dtype=x.dtype, device=device)
+
+    for unit in todo.values():
+        if unit.inputs is not None:
+            unit.inputs = tree_map(fill, unit.inputs)
