@@ -45,7 +45,7 @@ from .spec import NamedSharding, P, PartitionSpec, annotate, distribute, logical
 
 # Public subpackages, imported on first use (``import shardlib`` then ``shardlib.models.GPT``):
 # shardlib.checkpoint imports torch.distributed.checkpoint (about half a second).
-_SUBPACKAGES = ("checkpoint", "models", "testing", "kernels", "parallel", "mesh")
+_SUBPACKAGES = ("checkpoint", "models", "testing", "kernels", "parallel", "mesh", "dryrun")
 
 
 def __getattr__(name: str):
@@ -64,6 +64,7 @@ __all__ = [
     "checkpoint",
     "models",
     "testing",
+    "dryrun",
     "ShardingError",
     "WorkerError",
     "CollectiveError",

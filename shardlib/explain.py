@@ -10,7 +10,7 @@ once (``model.layers.{0..79} (80x)``, rows relative to it) unless ``full=True``.
 from __future__ import annotations
 
 from .explain_summary import fit, summary_lines
-from .explain_table import FOLD_ABOVE, HEADER, WIDTH, Block, Row, fold, param_rows, render_table
+from .explain_table import FOLD_ABOVE, HEADER, WIDTH, Block, Row, fold, nested, param_rows, render_table
 from .parallel.tensor_cost import tensor_parallel_collectives
 
 __all__ = ["explain"]
@@ -32,15 +32,7 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
                                      f"{layer.out_features}{extra}{calls}", "layer")))
     rows += [Row(name, ("; ".join(items), "")) for name, items in by_layer.items()]  # groups, parameters
     items = rows if full or len(rows) <= FOLD_ABOVE else fold(rows)
-    entries: list[tuple[int, object]] = []
-
-    def walk(children, depth):
-        for item in children:
-            entries.append((depth, item))
-            if isinstance(item, Block):
-                walk(item.children, depth + 1)
-
-    walk(items, 1)
+    entries = nested(items, 1)
     # the name column fits the layers; other rows' names (column groups, parameters) may run past it
     width = max(2 * d + len(r.name) for d, r in entries if isinstance(r, Row) and r.cells[1])
     lines = [f"tensor-parallel layers ({'sequence parallel' if plan.sequence_parallel else 'no sequence parallel'}), "

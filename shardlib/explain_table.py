@@ -202,6 +202,16 @@ def block_bytes_line(block: Block) -> str:
     return f"{block.name} ({block.count}x), each {block.tensors} tensors, {block.weight:,.0f} B per rank:"
 
 
+def nested(items: list, depth: int = 0) -> list[tuple[int, object]]:
+    """``[(depth, item)]`` for rows and blocks in print order, a block's rows one level deeper."""
+    out: list[tuple[int, object]] = []
+    for item in items:
+        out.append((depth, item))
+        if isinstance(item, Block):
+            out += nested(item.children, depth + 1)
+    return out
+
+
 def render_table(header: tuple[str, ...], items: list, width: int | None = WIDTH, block_line=block_bytes_line) -> list[str]:
     """Aligned lines of ``items`` (rows and blocks, as :func:`fold` gives them) under ``header``:
     names left-aligned and indented under their block, the last column right-aligned.
@@ -217,15 +227,7 @@ def render_table(header: tuple[str, ...], items: list, width: int | None = WIDTH
     Returns:
         The lines: the header, a rule of dashes, then the rows.
     """
-    leaves: list[tuple[int, object]] = []
-
-    def walk(children, depth):
-        for item in children:
-            leaves.append((depth, item))
-            if isinstance(item, Block):
-                walk(item.children, depth + 1)
-
-    walk(items, 0)
+    leaves = nested(items)
     rows = [("  " * d + r.name, *r.cells) for d, r in leaves if isinstance(r, Row)]
     ncol = len(header)
     cell_widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(1, ncol)]

@@ -107,6 +107,8 @@ def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str,
 
     Counts distinct storages (a view is counted once, with its base): parameter chunks and
     shards, gradient buffers, and the optimizer's state tensors (0-dim step counters excluded).
+    On a model kept on meta (:func:`shardlib.lazy.materialize_on`, a dry run) these are the bytes
+    the storages would hold.
     Compare with ``plan.param_bytes``, ``plan.grad_bytes`` and ``plan.optimizer_bytes``.
 
     Returns:
@@ -121,9 +123,10 @@ def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str,
             if t is None:
                 continue
             storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            key = storage._cdata  # the storage itself: on meta (a dry run) every data_ptr is 0
+            if storage.nbytes() == 0 or key in seen:
                 continue
-            seen.add(storage.data_ptr())
+            seen.add(key)
             total += storage.nbytes()
         return total
 

@@ -16,7 +16,9 @@ Init rules. Each parameter needs a rule ``(kind, *args)``: ``("normal", std)``,
 1. the ``init_rules`` plan option: ``{glob over parameter names: rule}`` or a callable
    ``init_rules(name, param) -> rule | None``;
 2. the model's ``shardlib_init_rules()`` method, returning ``{glob: rule}`` (the reference
-   :class:`~shardlib.models.GPT` has one).
+   :class:`~shardlib.models.GPT` has one);
+3. the model's own per-module init function, Hugging Face's ``_init_weights``, read without
+   running it (:mod:`shardlib.own_init`): an unmodified HF model built on meta needs no rules.
 
 A tied parameter matches under any of its names. The random stream of a parameter is the CRC-32
 of its canonical name (first in ``named_parameters()``), or of the name a rule ends with
@@ -27,16 +29,22 @@ Buffers. A buffer built on ``meta`` is allocated on the device (full size, it is
 must then be filled by its module: a module that owns meta buffers defines
 ``shardlib_init_buffers(self)`` (called once, after allocation; e.g. to recompute a rotary cache
 or a causal mask), or is a torch norm module with running statistics (``reset_running_stats()``
-is used). Any other meta buffer is an error naming it.
+is used), or belongs to a model whose own ``_init_weights`` recomputes it (Hugging Face's rotary
+``inv_freq``, Gemma's ``embed_scale``: :mod:`shardlib.own_init`). Any other meta buffer, or one
+that init leaves unwritten, is an error naming it.
 
-Device: CUDA's current device when CUDA is available, else CPU.
+Device: CUDA's current device when CUDA is available, else CPU; inside
+:func:`materialize_on` the device given. On ``meta`` (a dry run, :mod:`shardlib.dryrun`) nothing
+is allocated or filled: parameters, chunks and buffers stay shapes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fnmatch
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,15 +52,46 @@ from torch import nn
 from .errors import ShardingError
 from .random import counter_values
 
-__all__ = ["init_parameters", "resolve_init_rules", "default_device"]
+__all__ = ["init_parameters", "resolve_init_rules", "default_device", "materialize_on"]
 
 _KINDS = {"normal": (1, 2), "uniform": (2, 2), "zeros": (0, 0), "ones": (0, 0), "constant": (1, 1)}
 _BLOCK = 1 << 18  # elements filled per step (bounds the int64 index and float temporaries)
 
 
+_DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("shardlib_materialize", default=None)
+
+
 def default_device() -> torch.device:
-    """Where meta parameters are materialized: CUDA's current device if available, else CPU."""
+    """Where meta parameters are materialized: the device of the innermost :func:`materialize_on`,
+    else CUDA's current device if available, else CPU."""
+    device = _DEVICE.get()
+    if device is not None:
+        return device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def materialize_on(device: Any) -> Iterator[torch.device]:
+    """Inside the block, ``shard()`` and :func:`init_parameters` materialize meta models on ``device``.
+
+    ``"meta"`` keeps them on meta: parameters, ZeRO chunks, gradients and optimizer state get
+    shapes and no storage, nothing is filled, and a forward and backward on meta inputs issue
+    every collective (counted in ``mesh.comm``) without arithmetic: what :mod:`shardlib.dryrun`
+    runs on torch's fake process group.
+
+    Args:
+        device: a ``torch.device`` or its name (``"meta"``, ``"cpu"``, ``"cuda:1"``).
+
+    Example:
+        >>> with materialize_on("meta"):
+        ...     default_device()
+        device(type='meta')
+    """
+    token = _DEVICE.set(torch.device(device))
+    try:
+        yield _DEVICE.get()
+    finally:
+        _DEVICE.reset(token)
 
 
 def _check_rule(rule: Any, name: str) -> tuple:
@@ -116,6 +155,21 @@ def resolve_init_rules(model: nn.Module, rules: Any = None, names: list[list[str
             if rule is not None:
                 out[group[0]] = _check_rule(rule, group[0])
                 break
+    rest = [g for g in names if g[0] not in out]
+    if rest:  # the model's own init function (Hugging Face's _init_weights), read on meta
+        from .own_init import rules_from_own_init
+
+        found, unsupported = rules_from_own_init(model, rest)
+        for group in rest:
+            if group[0] in unsupported:
+                raise ShardingError(
+                    f"parameter {group[0]} of shape {tuple(params[group[0]].shape)} has no init rule, and the model's "
+                    f"own init cannot stand in for one: {unsupported[group[0]]}, which a rule cannot reproduce from "
+                    "global element indices. Fix: pass init_rules={pattern: ('normal', std) | ('uniform', lo, hi) | "
+                    "('zeros',) | ...} for it, or build the model on CPU"
+                )
+            if group[0] in found:
+                out[group[0]] = _check_rule(found[group[0]], group[0])
     return out
 
 
@@ -180,6 +234,8 @@ class LazyInit:
     @torch.no_grad()
     def fill(self, chunk: Any, out: torch.Tensor, lo: int) -> None:
         """Fill ``out`` (flat, elements ``[lo, lo + out.numel())`` of ``chunk``; padding zero)."""
+        if out.device.type == "meta":  # a dry run: shapes only
+            return
         hi = lo + out.numel()
         out.zero_()
         for name, off in zip(chunk.params, chunk.offsets):
@@ -194,26 +250,22 @@ class LazyInit:
                 idx = global_flat_index(pp, self.mesh_shape, self.coords, s - off, e - off, out.device)
                 out[s - lo : e - lo].copy_(counter_values(kind, args, self.seed, stream, idx))
 
-    def allocate(self, chunk: Any, owned: slice, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(full, owned_values)`` of a chunk: ``owned`` covers the whole chunk (stages 0-2: the
-        full buffer, filled) or this rank's shard (stage 3: a filled shard, and a full buffer left
-        unfilled, whose storage the caller frees once the parameter views exist)."""
-        full = torch.empty(chunk.padded_numel, dtype=chunk.dtype, device=device)
-        if owned.start == 0 and owned.stop == chunk.padded_numel:
-            self.fill(chunk, full, 0)
-            return full, full
-        shard = torch.empty(owned.stop - owned.start, dtype=chunk.dtype, device=device)
-        self.fill(chunk, shard, owned.start)
-        return full, shard
+    def filled(self, chunk: Any, owned: slice, device) -> torch.Tensor:
+        """Elements ``owned`` of a chunk (stages 0-2: all of it; stage 3: this rank's shard), in
+        the chunk's (master) dtype, filled; on ``meta`` only allocated."""
+        out = torch.empty(owned.stop - owned.start, dtype=chunk.dtype, device=device)
+        self.fill(chunk, out, owned.start)
+        return out
 
 
-def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None) -> None:
+def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None, root: nn.Module | None = None) -> None:
     """Give every meta parameter of ``model`` a placeholder on ``device`` (right shape, one
     element of storage: ZeroRuntime points it into its chunk) and allocate and fill meta buffers.
 
     Parameter objects are replaced (a meta tensor cannot change device in place): hooks set by
     the tensor-parallel lowering (gradient sums over the tensor axis) are installed again on
-    the new ones; other hooks on meta parameters are not carried over.
+    the new ones; other hooks on meta parameters are not carried over. ``root``: the whole model
+    when ``model`` is part of it (a pipeline stage), for its own init function (buffers).
     """
     from .parallel.tensor import sum_grad_over
 
@@ -232,16 +284,23 @@ def materialize_meta(model: nn.Module, device: torch.device, mesh: Any = None) -
                     sum_grad_over(new, axis, mesh)
                 new_of[id(prm)] = new
             module._parameters[key] = new
-    init_meta_buffers(model, device)
+    init_meta_buffers(model, device, root)
 
 
-def init_meta_buffers(model: nn.Module, device: torch.device) -> None:
+def init_meta_buffers(model: nn.Module, device: torch.device, root: nn.Module | None = None) -> None:
     """Allocate every meta buffer on ``device`` and have its module fill it (see the module doc).
 
+    ``root``: the whole model ``model`` is part of (a pipeline stage's modules belong to it),
+    whose own init function covers them; default ``model``.
+
     Raises:
-        ShardingError: a meta buffer whose module defines no ``shardlib_init_buffers()`` (and is
-            not a norm with running statistics), naming it.
+        ShardingError: a meta buffer whose module defines no ``shardlib_init_buffers()``, is not
+            a norm with running statistics and is not covered by the model's own init function,
+            or one that function leaves unwritten; naming it.
     """
+    from .own_init import fill_buffers_from_own_init, own_init_calls
+
+    own_init: dict[int, Callable] | None = None
     for path, module in model.named_modules():
         meta = [k for k, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         if not meta:
@@ -249,15 +308,18 @@ def init_meta_buffers(model: nn.Module, device: torch.device) -> None:
         hook: Callable | None = getattr(module, "shardlib_init_buffers", None)
         if hook is None and hasattr(module, "reset_running_stats"):
             hook = module.reset_running_stats
-        if hook is None:
-            name = f"{path}.{meta[0]}" if path else meta[0]
-            raise ShardingError(
-                f"buffer {name} of shape {tuple(module._buffers[meta[0]].shape)} is on the meta device and its module "
-                f"{type(module).__name__} has no shardlib_init_buffers() method to fill it. Fix: define "
-                "shardlib_init_buffers(self) on the module (recompute the buffer), or build the module on CPU"
-            )
+        if hook is None:  # the model's own init (Hugging Face's _init_weights) recomputes it
+            if own_init is None:
+                own_init = {id(m): fn for m, fn in own_init_calls(model if root is None else root)}
+            fn = own_init.get(id(module))
+            hook = lambda module=module, meta=meta, path=path, fn=fn: fill_buffers_from_own_init(
+                model if root is None else root, module, meta, path, fn)
+            if fn is None:
+                hook()  # raises, naming the buffer
         for k in meta:
             module._buffers[k] = torch.empty_like(module._buffers[k], device=device)
+        if torch.device(device).type == "meta":  # a dry run: shapes only
+            continue
         with torch.no_grad():
             hook()
 
@@ -313,6 +375,8 @@ def init_parameters(model: nn.Module, seed: int = 0, rules: Any = None, device: 
                 f"parameter {names[0]} of shape {tuple(prm.shape)} has no init rule. Fix: pass rules={{pattern: rule}} "
                 "or give the model a shardlib_init_rules() method"
             )
+        if prm.device.type == "meta":  # materialize_on("meta"): shapes only
+            continue
         kind, args, stream = _split(resolved[names[0]], names[0])
         flat = prm.view(-1)
         for s in range(0, flat.numel(), _BLOCK):

@@ -41,7 +41,7 @@ class ShardedModule(nn.Module):
     parameters' own ``.grad`` is not the reduced gradient (see :func:`full_grads`).
     """
 
-    def __init__(self, module: nn.Module, plan: Plan, model_name: str | None = None):
+    def __init__(self, module: nn.Module, plan: Plan, model_name: str | None = None, init_root: nn.Module | None = None):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -62,7 +62,7 @@ class ShardedModule(nn.Module):
         if plan.init_rules:  # built on meta: placeholders now, local shards filled by ZeroRuntime
             from .lazy import LazyInit, default_device, materialize_meta
 
-            materialize_meta(module, default_device(), plan.mesh)
+            materialize_meta(module, default_device(), plan.mesh, root=init_root)  # a stage: the whole model's own init
             lazy = LazyInit(plan)
         self._zero = ZeroRuntime(module, plan, plan.mesh, lazy, model_name=self._model_name)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
@@ -187,11 +187,11 @@ class PipelineModule(ShardedModule):
         stage_layers, stage_bytes: every stage's layer names and unsharded parameter bytes.
     """
 
-    def __init__(self, stage: nn.Module, pplan: PipelinePlan):
+    def __init__(self, stage: nn.Module, pplan: PipelinePlan, model: nn.Module | None = None):
         from .parallel.pipeline import PipelineRunner
 
         rank = pplan.mesh.index(pplan.pp_axis)
-        super().__init__(stage, pplan.stages[rank], model_name=pplan.model_name or None)
+        super().__init__(stage, pplan.stages[rank], model_name=pplan.model_name or None, init_root=model)
         self.pipeline_plan = pplan
         self.pp_axis = pplan.pp_axis
         whole = pplan.whole
@@ -314,7 +314,7 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))
     assert [tuple(c) for c in stage.chunk_layers] == list(pplan.stage_layers[rank::pplan.p]), "stage differs from its plan"
-    smodel = PipelineModule(stage, pplan)
+    smodel = PipelineModule(stage, pplan, model)  # the model: its own init fills a meta stage's buffers
     smodel.verification = report
     return smodel
 

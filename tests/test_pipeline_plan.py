@@ -11,7 +11,7 @@ from shardlib import AbstractMesh, P, ShardingError
 from shardlib.models import GPT, GPTConfig, gpt_preset, tp_specs
 from shardlib.parallel.schedules import bubble_fraction
 from shardlib.pipeline_plan import PipelinePlan
-from shardlib.testing import run_on
+from shardlib.testing import assert_equivalent, run_on
 
 PP2_DP2 = AbstractMesh({"pp": 2, "dp": 2})
 PP2_TP2 = AbstractMesh({"pp": 2, "tp": 2})
@@ -100,8 +100,6 @@ def test_pipeline_options_without_a_pipeline_axis():
 
 SP = dict(sequence_parallel=True, schedule="1f1b", microbatches=2)
 REFUSED = [
-    (dict(specs=tp_specs()), ["sequence_parallel=True on the pipeline mesh {'pp': 2, 'tp': 2}", "nothing gathers the sequence",
-                              "no column-parallel output layer and no sp_exit", "Fix: split the LM head"]),
     (dict(specs=gpt_preset().specs, sp_entry="blocks.2"), ["entry 'blocks.2' is on stage 1", "not on stage 0",
                                                             "Fix: sp_entry= a module of the first stage"]),
     (dict(specs=tp_specs(), sp_exit="blocks.1"), ["'blocks.1' gathers the sequence but is on stage 0", "not on the last stage 1",
@@ -119,6 +117,22 @@ def test_sequence_parallel_over_stages_refused_where_not_exact(given, parts):
     specs = given.pop("specs")
     with pytest.raises(ShardingError, match=".*".join(re.escape(p) for p in parts)):
         shardlib.plan(_gpt(), PP2_TP2, specs, **SP, **given)
+
+
+def _gpt_out(out, y):
+    return _ce(out[0] if isinstance(out, tuple) else out, y)
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_exit_defaults_to_the_last_block():
+    """No tensor-parallel LM head to gather the sequence (tp_specs() leaves it replicated): the
+    last block gathers it (backward: this rank's slice), on the last stage, and training is exact
+    (on 59e6484 this layout was refused: "nothing gathers the sequence")."""
+    p = shardlib.plan(_gpt(), PP2_TP2, tp_specs(), **SP)
+    assert p.whole.sp_exit == "blocks.3" and p.stages[1].sp_exit == "blocks.3" and p.stages[0].sp_exit == ""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 37, (4, 9), generator=g)
+    assert_equivalent(_gpt, {"pp": 2, "tp": 2}, tp_specs(), (x[:, :-1], x[:, 1:]), steps=2, loss_fn=_gpt_out, **SP)
 
 
 def test_sequence_parallel_allowed_layouts():
@@ -150,7 +164,7 @@ def test_hugging_face_pipelines_refuse_sequence_parallel():
 def _refused_on_every_rank(case):
     mesh = shardlib.init_mesh({"pp": 2, "tp": 2})
     if case == "plan":
-        shardlib.shard(_gpt(), mesh, tp_specs(), **SP)
+        shardlib.shard(_gpt(), mesh, gpt_preset().specs, sp_entry="blocks.2", **SP)
     smodel = shardlib.shard(_gpt(), mesh, gpt_preset().specs, **SP)
     x = torch.randint(0, 37, (4, 8))  # a sequence of 7 does not split over tp=2
     mesh.comm.reset()
@@ -161,7 +175,7 @@ def _refused_on_every_rank(case):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case,words", [("plan", "nothing gathers the sequence"), ("run", "sequence length divisible by 2")])
+@pytest.mark.parametrize("case,words", [("plan", "not on stage 0"), ("run", "sequence length divisible by 2")])
 def test_sequence_parallel_refusals_on_every_rank(case, words):
     with pytest.raises(shardlib.WorkerError) as err:
         run_on(4, _refused_on_every_rank, case)

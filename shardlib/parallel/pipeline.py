@@ -216,10 +216,11 @@ class PipelineRunner:
 
     def _recv(self, stage: int, mb: int, grad: bool, like: tuple) -> torch.Tensor:
         """The activation (or gradient) stage ``stage`` receives for microbatch ``mb``; ``like``:
-        ``(shape, dtype)`` the sender sends, used on a fake group only, where nothing arrives."""
+        ``(shape, dtype, device)`` the sender sends, used on a fake group only, where nothing
+        arrives (the device is the step's: ``meta`` in a dry run, :mod:`shardlib.dryrun`)."""
         if self.fake:
-            shape, dtype = like
-            return torch.zeros(shape, dtype=dtype)
+            shape, dtype, device = like
+            return torch.zeros(shape, dtype=dtype, device=device)
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
         sender_stage = stage + (1 if grad else -1)
         tag = self._tag(sender_stage, mb, grad)
@@ -281,7 +282,7 @@ class PipelineRunner:
                 if a.stage == 0:
                     inp = xs[a.microbatch]
                 else:
-                    planned = ((pplan.boundary_shape(*xs[a.microbatch].shape[:2]), pplan.boundary_dtype)
+                    planned = ((pplan.boundary_shape(*xs[a.microbatch].shape[:2]), pplan.boundary_dtype, x.device)
                                if self.fake else None)
                     inp = self._recv(a.stage, a.microbatch, False, planned).requires_grad_(backward)
                 start = time.perf_counter()  # compute only: waiting for the input is idle time
@@ -302,7 +303,7 @@ class PipelineRunner:
             else:
                 out = outputs.pop((a.stage, a.microbatch))
                 inp = inputs.pop((a.stage, a.microbatch))
-                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True, (out.shape, out.dtype))
+                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True, (out.shape, out.dtype, out.device))
                 start = time.perf_counter()
                 with self.smodel.no_sync():
                     torch.autograd.backward(out, grad)

@@ -8,8 +8,11 @@ So, before anything is lowered, every distinct unit the plan transforms is run t
 input, unsharded and sharded, and the outputs and gradients are compared:
 
 - units: each decoder block (an element of a ``ModuleList``) holding column/row layers, or the
-  attention/MLP module itself when it is not inside a block; each parallel embedding; each
-  output layer (LM head). One instance per distinct (class, layout), so an 80-layer model costs
+  attention/MLP module itself when it is not inside a block; each parallel embedding and output
+  layer (LM head) of a subclass (Gemma's scaled embedding; a plain ``nn.Embedding``/``nn.Linear``
+  lowers the same in every model, proven by shardlib's own tests); a model of at most
+  ``WHOLE_MODEL_LIMIT`` parameters also whole (the sequence-parallel entry and exit, replicated
+  layers between units). One instance per distinct (class, layout), so an 80-layer model costs
   one block;
 - inputs: a block's real inputs (hidden states, masks, rotary embeddings) are captured by running
   the unsharded model on a small random batch (token ids for a model that starts with an
@@ -157,10 +160,15 @@ def _units(model: nn.Module, plan: Any) -> list[_Unit]:
             units.append(_Unit(path, kind, **kw))
 
     for layer in plan.tp_layers:
+        # a plain nn.Embedding / nn.Linear lowers the same in every model (shardlib's own tests prove
+        # it); a subclass may override forward, so it is run
+        plain = type(modules[layer.path]) in (nn.Embedding, nn.Linear)
         if layer.kind in ("vocab", "embed_dim"):
-            add(layer.path, "embedding")
+            if not plain:
+                add(layer.path, "embedding")
         elif layer.output_layer:
-            add(layer.path, "output", split_in=bool(plan.sequence_parallel and not plan.sp_exit))
+            if not plain:
+                add(layer.path, "output", split_in=bool(plan.sequence_parallel and not plan.sp_exit))
         else:
             anchor = layer.group or layer.path.rpartition(".")[0]
             block = next((a for a in _ancestors(anchor) if a in in_lists), anchor)
