@@ -261,6 +261,25 @@ def test_meta_init_of_unequal_blocks_equals_the_one_device_init():
     assert run_on(2, _meta_worker) == [[], []]
 
 
+def _phi3_meta_worker():
+    mesh = shardlib.init_mesh({"tp": 2})
+    with torch.device("meta"):
+        meta = make_phi3()
+    smodel = shardlib.shard(meta, mesh, SPECS, fused=FUSED, init_seed=4, verify=False)  # rules: HF's own init
+    full = shardlib.full_state_dict(smodel)
+    torch.manual_seed(0)
+    ref = init_parameters(make_phi3(), seed=4).state_dict()
+    return sorted(full) == sorted(ref), [k for k in ref if not torch.equal(full[k], ref[k])]
+
+
+@pytest.mark.multiprocess
+def test_meta_built_phi3_on_tp2_equals_the_one_device_init():
+    """Phi-3 built on meta and sharded on tp=2 with qkv_proj fused (16, 8, 8): the full tensors
+    equal init_parameters() of the CPU-built model with the same seed, bit for bit (each rank drew
+    the values of its own rows' global indices)."""
+    assert run_on(2, _phi3_meta_worker) == [(True, []), (True, [])]
+
+
 def _refused_worker():
     mesh = shardlib.init_mesh({"tp": 2})
     try:
