@@ -96,7 +96,9 @@ def hf_preset(model: Any, axis: str = "tp") -> Preset:
     - the input embedding is vocabulary parallel and the output embedding (the LM head) column
       parallel with its logits gathered (tied or not);
     - fused projections are declared: ``gate_up_proj`` (Phi-3) holds 2 equal blocks, ``qkv_proj``
-      holds q, k and v (equal blocks: Phi-3 without grouped-query attention);
+      holds q, k and v (block sizes ``(heads, kv_heads, kv_heads) x head_dim`` under grouped-query
+      attention, each split over the axis so a rank holds its query heads and their key/value
+      heads);
     - entries that are not ``Linear`` modules (Mixtral's 3-D expert parameters, HF's
       ``packed_colwise``/``moe_tp_experts``) stay replicated; HF's
       ``replicated_with_grad_allreduce`` (Qwen3's per-head ``q_norm``/``k_norm``) is found by the
