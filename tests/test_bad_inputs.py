@@ -299,6 +299,13 @@ def test_cli_near_misses_and_defaults_parse():
     args = parse(hf, "train_hf", ["--mesh", "dp=1,tp=2", "--zero-stage", "0"])
     assert (hf.mesh_of(args), args.zero_stage) == ({"dp": 1, "tp": 2}, 0)
     assert parse(hf, "train_hf", []).mesh is None
+    # pipelines of HF models parse (they used to be refused: "no pipeline path"), with tp too
+    args = parse(hf, "train_hf", ["--model", "gemma", "--mesh", "pp=2,tp=2", "--batch-size", "4", "--microbatches", "4"])
+    assert (hf.mesh_of(args), args.microbatches, args.schedule) == ({"pp": 2, "tp": 2}, 4, "1f1b")
+    # key/value heads tp divides: 8 heads give LLaMA 4 (tp=4 splits them); odd heads keep as many
+    assert hf.kv_heads("llama", 8) == 4 and hf.kv_heads("llama", 3) == 3 and hf.kv_heads("gpt2", 8) == 8
+    assert parse(hf, "train_hf", ["--mesh", "tp=4", "--heads", "8"]).heads == 8
+    assert parse(hf, "train_hf", ["--model", "gpt2", "--mesh", "tp=3", "--heads", "3", "--hidden", "96"]).heads == 3
 
 
 def _count_real_communication() -> dict:
