@@ -139,8 +139,10 @@ class Watchdog:
         store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
         import atexit
 
-        atexit.register(self._at_exit)
-        threading.Thread(target=self._run, name="shardlib-watchdog", daemon=True).start()
+        atexit.register(self._at_exit)  # after init_mesh's destroy_process_group: runs before it (LIFO)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shardlib-watchdog", daemon=True)
+        self._thread.start()
 
     # -- the wait ---------------------------------------------------------------------------------
     def wait(self, works, rec: dict | None, timeout: datetime.timedelta, p2p: bool) -> None:
@@ -363,8 +365,7 @@ class Watchdog:
     # -- the answering thread ----------------------------------------------------------------------
     def _run(self) -> None:
         store = self.store
-        while True:
-            time.sleep(_POLL)
+        while not self._stop.wait(_POLL):
             try:
                 gen = int(store.add(_GEN, 0))
                 if gen > self._answered:
@@ -387,6 +388,11 @@ class Watchdog:
                 time.sleep(5 * _POLL)
 
     def _at_exit(self) -> None:
+        # stop the polling thread first: left inside a store call while the process group and the
+        # store are destroyed, it let C++ threads die joinable ("terminate called without an active
+        # exception", SIGABRT after the last step: 2 of 71 two-rank runs under load)
+        self._stop.set()
+        self._thread.join(timeout=2 * _POLL + 1)
         try:
             self.store.set(f"{_RANK}/{self.rank}/exit",
                            json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
