@@ -176,7 +176,7 @@ def _trace_worker():
         lm_loss(model(x), y).backward()
         return [tuple(r[k] for k in fields) for r in mesh.trace.records(mesh.trace.seq - before)]
 
-    return step(smodel), step(torch.compile(smodel, backend="eager"))
+    return step(smodel), step(torch.compile(smodel, backend="aot_eager"))
 
 
 def test_collective_trace_under_compile_is_the_eager_trace():
