@@ -126,11 +126,12 @@ def _step_worker(stage):
 
 
 def test_compiled_step_with_backward_inside():
-    """A compiled training step that calls ``backward()`` itself (Dynamo then also meets the
-    gradient hooks and the end-of-backward callback of ZeRO-3, which it compiled and crashed on:
-    "sources must not be empty for symbol"): losses, gradients and parameters match the eager
-    sharded run (itself equal to one process: the tests above and tests/test_zero.py) within
-    fp32's default 1e-5 of each tensor's scale (measured difference: 0)."""
+    """A compiled training step that calls ``backward()`` itself: Dynamo then also meets ZeRO-3's
+    gradient hooks and end-of-backward callback (at 59e6484 the forward hooks crashed it first,
+    ShardedAwayError; with only those fixed, compiling the gradient hooks crashed with "sources
+    must not be empty for symbol"). Losses, gradients and parameters match the eager sharded run
+    (itself equal to one process: the tests above and tests/test_zero.py) within fp32's default
+    1e-5 of each tensor's scale (measured gradient difference: 0)."""
     for (losses, grads, params), (c_losses, c_grads, c_params) in run_on(2, _step_worker, 3):
         assert c_losses == pytest.approx(losses, rel=1e-5)
         for step_grads, c_step_grads in zip(grads, c_grads):
