@@ -205,3 +205,107 @@ def test_llama_7b_plans_at_tp8():
                       init_rules={"*": ("normal", 0.02)})
     assert p.local_shape(p.param("model.layers.0.mlp.gate_proj.weight")) == (1376, 4096)
     assert p.local_shape(p.param("model.layers.0.self_attn.q_proj.weight")) == (512, 4096)
+
+
+# -- found by a new-user review: each trained silently wrong on the first version of the check ----
+class AuxBlock(nn.Module):
+    """Returns ``(x, aux)``: ``aux`` is computed from the hidden units split over tp."""
+
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        a = F.gelu(self.fc1(x))
+        return x + self.fc2(a), a.pow(2).mean()
+
+
+class AuxLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList([AuxBlock()])
+        self.head = nn.Linear(16, 11)
+
+    def forward(self, ids):
+        x, aux = self.blocks[0](self.emb(ids))
+        return self.head(x), aux
+
+
+class DropBlock(nn.Module):
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 32), nn.Dropout(p), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+class DropLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList([DropBlock(), DropBlock()])
+        self.head = nn.Linear(16, 11)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class OptionalLM(ScaledAlpha):
+    """A second block runs only when a context is given (never in the sample forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx = nn.ModuleList([Block()])
+
+    def forward(self, ids, ctx=None):
+        out = super().forward(ids)
+        return out if ctx is None else out + self.head(self.ctx[0](self.emb(ctx)))
+
+
+class OddAlpha(ScaledAlpha):
+    """Two blocks of one class; only the second holds a replicated scale (a different layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        del self.blocks[0].alpha
+        self.blocks[0].alpha = 1.0
+
+
+MLP_SPECS = {"blocks.*.fc1.weight": P("tp", None), "blocks.*.fc2.weight": P(None, "tp")}
+
+
+def _refused_units_alone(make, specs, words):
+    import os
+
+    os.environ["SHARDLIB_VERIFY_WHOLE_LIMIT"] = "0"  # as for a real-size model: the units alone decide
+    try:
+        shardlib.shard(make(), shardlib.init_mesh({"tp": 2}), specs)
+    except ShardingError as exc:
+        return all(w in str(exc) for w in words), str(exc)
+    finally:
+        del os.environ["SHARDLIB_VERIFY_WHOLE_LIMIT"]
+    return False, "not refused"
+
+
+CASES = {
+    "aux output": (AuxLM, MLP_SPECS, ["output 1 (of 2) differs"]),
+    "dropout between column and row": (DropLM, MLP_SPECS, ["drop (p=0.3) run between a column-parallel layer",
+                                                           "Fix: set their p to 0"]),
+    "unreached block": (OptionalLM, {**ALPHA_SPECS, "ctx.*.fc1.weight": P("tp", None), "ctx.*.fc2.weight": P(None, "tp")},
+                        ["never called ctx.0 (Block)", "verify_input="]),
+    "instances that differ": (OddAlpha, ALPHA_SPECS, ["gradient of blocks.1.alpha differs"]),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_units_alone_refuse(case):
+    make, specs, words = CASES[case]
+    for ok, message in run_on(2, _refused_units_alone, make, specs, words):
+        assert ok, message

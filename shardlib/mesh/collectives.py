@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_dim as _check_dim, check_tensor as _check_tensor, is_int as _is_int
+from .eager import eager
 from .guard import Handle, begin, done_handle, finish, post, wait_works
 from .mesh import Axis, Mesh, current_mesh
 
@@ -67,6 +68,7 @@ def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, in
     return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
 
 
+@eager
 def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
                    channel: int = 0, note: str = "") -> Handle:
     """In-place all-reduce of ``t`` over ``axis``; counted as ``all_reduce``."""
@@ -82,6 +84,7 @@ def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", asy
     return finish([work], then, mesh, async_op, rec, verify=verify)
 
 
+@eager
 def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False,
                    note: str = "") -> Handle:
     """Gather equal shards into the flat ``out`` (``out.numel() == N * shard.numel()``).
@@ -112,6 +115,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     return finish([work], None, mesh, async_op, rec, verify=verify)
 
 
+@eager
 def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
                        channel: int = 0, note: str = "") -> Handle:
     """Reduce the flat ``full`` over ``axis`` and write this rank's equal slice into ``shard``.
@@ -162,6 +166,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     return finish([work], then_nccl, mesh, async_op, rec, verify=verify)
 
 
+@eager
 def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -> None:
     """Broadcast ``t`` in place from the rank at index ``src_index`` along ``axis``."""
     names = _names(mesh, axis)
@@ -182,6 +187,12 @@ def _mesh(mesh: Mesh | None) -> Mesh:
     return mesh if mesh is not None else current_mesh()
 
 
+# The public functions and the helpers their backward calls (``_gather``, ``_scatter``, ...) are
+# ``eager``: a compiled function that calls ``backward()`` runs the autograd functions' backward
+# under Dynamo too, so they must not be traced either (:mod:`.eager`).
+
+
+@eager
 def _gather(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     n = mesh.size(names)
     if n == 1:
@@ -192,6 +203,7 @@ def _gather(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+@eager
 def _scatter(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     n = mesh.size(names)
     if n == 1:
@@ -262,6 +274,7 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(g, ctx.mesh, ctx.names, ctx.dim), None, None, None
 
 
+@eager
 def _all_to_all(x, mesh, names, split_dim, concat_dim):
     n = mesh.size(names)
     if n == 1:
@@ -293,6 +306,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g.contiguous(), mesh, names, concat_dim, split_dim), None, None, None, None
 
 
+@eager
 def _ppermute(x, mesh, names, perm):
     n = mesh.size(names)
     ranks = mesh.axis_ranks(names)
@@ -326,6 +340,7 @@ class _PPermute(torch.autograd.Function):
         return _ppermute(g, mesh, names, inverse), None, None, None
 
 
+@eager
 def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | None = None) -> torch.Tensor:
     """``jax.lax.psum``: reduce ``x`` (any shape, same on every rank of the group) over ``axis``.
 
@@ -352,6 +367,7 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | Non
     return _AllReduce.apply(x, mesh, _names(mesh, axis), op)
 
 
+@eager
 def pvary(x: torch.Tensor, axis: Axis, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Identity forward, all-reduce (sum) of the gradient over ``axis`` backward.
 
@@ -363,6 +379,7 @@ def pvary(x: torch.Tensor, axis: Axis, *, mesh: Mesh | None = None) -> torch.Ten
     return _PVary.apply(x, mesh, _names(mesh, axis))
 
 
+@eager
 def all_gather(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Concatenate the local ``x`` of every rank along ``axis`` in dimension ``dim``.
 
@@ -387,6 +404,7 @@ def all_gather(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | None =
     return _AllGather.apply(x, mesh, _names(mesh, axis), dim)
 
 
+@eager
 def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Sum ``x`` over ``axis`` and keep this rank's piece of dimension ``dim`` (``psum_scatter``).
 
@@ -410,6 +428,7 @@ def reduce_scatter(x: torch.Tensor, axis: Axis, dim: int = 0, *, mesh: Mesh | No
     return _ReduceScatter.apply(x, mesh, _names(mesh, axis), dim)
 
 
+@eager
 def all_to_all(x: torch.Tensor, axis: Axis, split_dim: int, concat_dim: int, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Split ``x`` into ``N`` pieces along ``split_dim``, send piece ``i`` to rank ``i`` of
     ``axis``, and concatenate what arrives along ``concat_dim``. Backward: the same with the two
@@ -437,6 +456,7 @@ def all_to_all(x: torch.Tensor, axis: Axis, split_dim: int, concat_dim: int, *, 
     return _AllToAll.apply(x, mesh, _names(mesh, axis), split_dim, concat_dim)
 
 
+@eager
 def ppermute(x: torch.Tensor, axis: Axis, perm: Sequence[tuple[int, int]], *, mesh: Mesh | None = None) -> torch.Tensor:
     """Send ``x`` from axis index ``src`` to ``dst`` for each ``(src, dst)`` in ``perm``.
 

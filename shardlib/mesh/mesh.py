@@ -129,15 +129,29 @@ class AbstractMesh:
             raise ShardingError(f"axes {names} name an axis twice")
         return names
 
+    # size, coords and index are plain integer arithmetic (no numpy): the parallel layers call
+    # them inside forward, where torch.compile traces them as constants (numpy there became
+    # tensor ops, and ``int()`` of one a graph break at ``aten._local_scalar_dense``)
     def size(self, axis: Axis = None) -> int:
         """Number of ranks along ``axis`` (a name or tuple of names; ``None``: the whole mesh)."""
-        return int(np.prod([self._shape[a] for a in self._axes(axis)], dtype=np.int64))
+        n = 1
+        for a in self._axes(axis):
+            n *= self._shape[a]
+        return n
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """``{axis: coordinate}`` of ``rank`` (default: this mesh's rank)."""
-        rank = self.rank if rank is None else rank
-        idx = np.unravel_index(rank, self._grid.shape)
-        return {name: int(i) for name, i in zip(self._shape, idx)}
+        """``{axis: coordinate}`` of ``rank`` (default: this mesh's rank).
+
+        Raises:
+            ShardingError: ``rank`` is outside the mesh."""
+        rank = int(self.rank if rank is None else rank)
+        world = self.size()
+        if not 0 <= rank < world:
+            raise ShardingError(f"rank {rank} is outside the mesh {self._shape} of {world} ranks")
+        coords: dict[str, int] = {}
+        for name in reversed(self._shape):  # the last axis varies fastest
+            rank, coords[name] = divmod(rank, self._shape[name])
+        return {name: coords[name] for name in self._shape}
 
     def index(self, axis: Axis) -> int:
         """This rank's coordinate along ``axis``; over a tuple of axes, the linear index (first outer)."""

@@ -26,6 +26,7 @@ import torch
 
 from ..spec import shard_range
 from .collectives import _gather, _mesh, _names
+from .eager import eager
 from .mesh import Axis, Mesh
 
 __all__ = ["gather_from_region", "scatter_to_region"]
@@ -80,6 +81,7 @@ class _ScatterToRegion(torch.autograd.Function):
         return _uneven_gather(g.contiguous(), mesh, names, dim, full), None, None, None
 
 
+@eager
 def gather_from_region(x: torch.Tensor, axis: Axis, dim: int, full_size: int | None = None, *, mesh: Mesh | None = None) -> torch.Tensor:
     """All-gather a value split over ``axis`` into a replicated one; backward keeps this rank's slice.
 
@@ -98,6 +100,7 @@ def gather_from_region(x: torch.Tensor, axis: Axis, dim: int, full_size: int | N
     return _GatherFromRegion.apply(x, mesh, names, dim, full)
 
 
+@eager
 def scatter_to_region(x: torch.Tensor, axis: Axis, dim: int, *, mesh: Mesh | None = None) -> torch.Tensor:
     """Keep this rank's slice (torch.chunk layout) of a replicated value; backward all-gathers."""
     mesh = _mesh(mesh)

@@ -151,7 +151,7 @@ def hf_preset(model: Any, axis: str = "tp") -> Preset:
         leaf = key.rpartition(".")[2]
         if leaf == "gate_up_proj":
             fused[pattern] = 2
-        elif leaf == "qkv_proj":  # [q | k | v]; under grouped-query attention the blocks differ in size
+        elif leaf == "qkv_proj" and kind == "phi3":  # [q | k | v]; under GQA the blocks differ in size
             heads = cfg.num_attention_heads
             kv = getattr(cfg, "num_key_value_heads", None) or heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

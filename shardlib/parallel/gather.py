@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..mesh.collectives import raw_all_gather
+from ..mesh.eager import eager
 from .chunk import Chunk
 
 __all__ = ["ParameterGathering"]
@@ -75,7 +76,15 @@ class ParameterGathering:
         chunk.free_storage()
         chunk.gathered = False
 
+    # The root hooks test, in code torch.compile traces (plan constants), whether they have
+    # anything to do, so stages 0-2 without buffer broadcasts compile the whole forward in one
+    # graph; the work itself runs eagerly (a graph break: :mod:`shardlib.mesh.eager`).
     def root_pre_forward(self) -> None:
+        if self.plan.broadcast_buffers or self.stage == 3:
+            self._root_pre_forward()
+
+    @eager
+    def _root_pre_forward(self) -> None:
         if self.plan.broadcast_buffers:
             self.broadcast_buffers()
         if self.stage == 3:
@@ -91,12 +100,17 @@ class ParameterGathering:
 
     def root_post_forward(self) -> None:
         if self.stage == 3:
-            keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it
-            for chunk in self.chunks:
-                if not (keep and not chunk.plan.reshard_after_forward):
-                    self._free(chunk)
-            self._bwd_next = len(self.chunks) - 1
+            self._root_post_forward()
 
+    @eager
+    def _root_post_forward(self) -> None:
+        keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it
+        for chunk in self.chunks:
+            if not (keep and not chunk.plan.reshard_after_forward):
+                self._free(chunk)
+        self._bwd_next = len(self.chunks) - 1
+
+    @eager
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         chunks = self._module_chunks[module]
         top = max(c.index for c in chunks)
@@ -111,6 +125,7 @@ class ParameterGathering:
         for c in chunks:
             self._wait(c)
 
+    @eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         for c in self._module_chunks[module]:
             self._uses[c.index] -= 1
@@ -132,6 +147,7 @@ class ParameterGathering:
             self._bwd_next -= 1
         self._wait(chunk)
 
+    @eager
     def pack(self, t: torch.Tensor):
         if self.stage != 3 or t.device.type == "meta":
             return t
@@ -140,6 +156,7 @@ class ParameterGathering:
             return t
         return (_SavedChunkView, chunk, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
+    @eager
     def unpack(self, packed):
         if isinstance(packed, tuple) and packed and packed[0] is _SavedChunkView:
             _, chunk, shape, stride, offset, dtype = packed

@@ -338,7 +338,9 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
         if given is not None and given not in modules:
             raise ShardingError(f"{label} {given!r} is not a module of {type(model).__name__}")
     if entry is None:
-        drops = [name for name in modules if name.rpartition(".")[2] == "drop"]
+        in_lists = {f"{n_}.{i}" for n_, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
+        drops = [name for name in modules if name.rpartition(".")[2] == "drop"  # GPT-2's, not one inside a block
+                 and not any(name.startswith(b + ".") for b in in_lists)]
         lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
         if drops:
             entry = drops[0]

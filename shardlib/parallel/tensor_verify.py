@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -115,16 +116,25 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
 
 def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
     units = _units(model, plan)
-    capture_inputs(model, plan, units, n)
-    if sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_LIMIT:
+    why = capture_inputs(model, plan, units, n)
+    if why is not None:  # a meta-built model HF code cannot run on meta: check nothing, say so
+        return {"units": [], "skipped": f"{type(model).__name__} is on the meta device and {why}", "max_error": 0.0,
+                "unreached": [u.path for u in units]}
+    limit = int(os.environ.get("SHARDLIB_VERIFY_WHOLE_LIMIT", WHOLE_MODEL_LIMIT))  # tests lower it to check units alone
+    if sum(p.numel() for p in model.parameters()) <= limit:
         # small enough to run whole: also proves how the units compose (the sequence-parallel
         # entry and exit, replicated layers between them), which no single unit shows
         units.append(_Unit("", "model", inputs=tree_map(lambda x: x.to(run_device(model)), sample_input(model, plan, n))))
     index = mesh.index(axis)
     results = []  # (unit, [(what, error, is_replicated_param_name or None)])
+    unreached = [u for u in units if u.inputs is None]
+    if unreached:  # same on every rank (same sample, same code): refused before any collective
+        names = ", ".join(f"{u.path} ({type(model.get_submodule(u.path)).__name__})" for u in unreached[:4])
+        raise ShardingError(
+            f"shard(verify=True): the sample forward of {type(model).__name__} never called {names}, so their "
+            "tensor-parallel lowering cannot be proven exact (an optional input or a training-only branch reaches "
+            "them). Fix: pass verify_input=<a small example batch whose forward reaches them>, or verify=False")
     for unit in units:
-        if unit.inputs is None:
-            continue  # never called by the sample forward: it does not take part in training either
         results.append((unit, _check(model, plan, mesh, axis, n, index, unit)))
     errors = torch.tensor([e for _, checks in results for _, e, _ in checks] + [0.0], dtype=torch.float64,
                           device=run_device(model))
@@ -154,7 +164,8 @@ def _units(model: nn.Module, plan: Any) -> list[_Unit]:
 
     def add(path: str, kind: str, **kw) -> None:
         inside = tuple(sorted((_rel(l.path, path), l.kind, l.fused) for l in plan.tp_layers if _inside(l.path, path)))
-        key = (type(modules[path]), kind, inside, kw.get("split_in", False))
+        params = tuple((nm, tuple(p.shape), p.requires_grad) for nm, p in modules[path].named_parameters())
+        key = (type(modules[path]), kind, inside, kw.get("split_in", False), params)  # instances that differ: each run
         if key not in seen:
             seen.add(key)
             units.append(_Unit(path, kind, **kw))
@@ -208,14 +219,13 @@ def _randomize(module: nn.Module) -> None:
                 p.copy_(r.to(p.device))
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
+def _float_outputs(out: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a module's output (a tensor, tuple, list, dict or HF
+    ``ModelOutput``), in order."""
     if isinstance(out, torch.Tensor):
-        return out
+        return [out] if out.is_floating_point() else []
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v
-    return None
+    return [t for v in values for t in _float_outputs(v)]
 
 
 def _split(x: torch.Tensor, n: int, index: int, dim: int = 1) -> torch.Tensor:
@@ -245,7 +255,6 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     original = model.get_submodule(unit.path) if unit.path else model
     mini = _unit_plan(plan, unit)
     split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
-    checks: list = [("output", None), ("input gradient", None)]
     dtype = torch.float64
 
     def run(module, split):
@@ -257,13 +266,14 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
                 first = _split(first, n, index).clone()
             first.requires_grad_(True)
             args, kwargs = _put_first_float(args, kwargs, first)
-        out = _first_tensor(module(*args, **kwargs))
-        return first, out
+        return first, _float_outputs(module(*args, **kwargs))
 
     for dtype in (torch.float64, torch.float32):  # float32 where a kernel takes no float64 (HF MoE grouped GEMMs)
         ref = _working_copy(original, dtype)
         _randomize(ref)
         ref.eval()
+        order: list[str] = []
+        hooks = [m.register_forward_pre_hook(lambda mod, a, p=p_: order.append(p)) for p_, m in ref.named_modules()]
         try:
             x_ref, y_ref = run(ref, False)
             break
@@ -273,11 +283,27 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
                     f"shard(verify=True): the unsharded {unit.kind} {unit.path or '<root>'} ({type(original).__name__}) "
                     f"raised {type(exc).__name__}: {exc} on the inputs captured for it, so its tensor-parallel lowering "
                     "cannot be checked. Fix: pass verify_input=<a small example batch>, or verify=False") from exc
+    for h in hooks:
+        h.remove()
+    dropouts = _split_dropouts(ref, mini, order)
+    if dropouts:
+        raise ShardingError(
+            f"shard(verify=True): in {unit.path or '<root>'} ({type(original).__name__}), {', '.join(dropouts[:4])} "
+            f"run between a column-parallel layer and its row-parallel partner, on activations split over {axis!r}: "
+            "shardlib's mesh-independent dropout draws masks by batch and sequence position, not by the split feature, so "
+            "every rank would drop the same local features, unlike one device. Fix: set their p to 0, or leave that "
+            "projection pair replicated")
+    if not y_ref:
+        raise ShardingError(f"shard(verify=True): {unit.kind} {unit.path or '<root>'} ({type(original).__name__}) returned "
+                            "no floating-point tensor to compare. Fix: pass verify=False")
+    # every floating output the loss may read (a block's auxiliary output, a MoE model's aux loss)
+    checks = [("output", None)] + [(f"output {i} (of {len(y_ref)})", None) for i in range(1, len(y_ref))]
+    checks += [("input gradient", None)]
     checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
                for name, p in ref.named_parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(SEED + 3)
-    cot = torch.randn(y_ref.shape, generator=g, dtype=torch.float64).to(y_ref.device, y_ref.dtype)
-    (y_ref * cot).sum().backward()
+    cots = [torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype) for y in y_ref]
+    sum((y * c).sum() for y, c in zip(y_ref, cots)).backward()
     scale = max([float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel()] + [0.0])
 
     grads = copy.deepcopy(ref)  # the reference gradients, sliced by the same lowering as the weights
@@ -288,26 +314,50 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
         grads, _ = lower_tensor_parallel(grads, SimpleNamespace(**{**vars(mini), "sp_grad_params": ()}), mesh)
         x_s, y_s = run(shd, unit.split_in)
-        cot_s = _split(cot, n, index) if unit.split_out else cot
-        if y_s is None or y_s.shape != cot_s.shape:
-            raise RuntimeError(f"output shape {None if y_s is None else tuple(y_s.shape)}, expected {tuple(cot_s.shape)}")
-        (y_s * cot_s).sum().backward()
+        cots_s = [_split(c, n, index) if unit.split_out and i == 0 else c for i, c in enumerate(cots)]
+        shapes = [tuple(c.shape) for c in cots_s]
+        if [tuple(y.shape) for y in y_s] != shapes:
+            raise RuntimeError(f"output shapes {[tuple(y.shape) for y in y_s]}, expected {shapes} (only the first output "
+                               "of a sequence-parallel block is a sequence shard)")
+        sum((y * c).sum() for y, c in zip(y_s, cots_s)).backward()
     except ShardingError:
         raise
     except Exception as exc:
         what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
-    y_cmp = _split(y_ref, n, index) if unit.split_out else y_ref
-    out = [("output", _err(y_s, y_cmp), None)]
+    out = [(checks[i][0], _err(y, _split(r, n, index) if unit.split_out and i == 0 else r), None)
+           for i, (y, r) in enumerate(zip(y_s, y_ref))]
     gx = None if x_ref is None or x_ref.grad is None else (_split(x_ref.grad, n, index) if unit.split_in else x_ref.grad)
     out.append(("input gradient", _err(x_s.grad if x_s is not None else None, gx), None))
     floor = 1e-3 * scale
     sgrads = dict(shd.named_parameters())
     rgrads = dict(grads.named_parameters())
-    for (what, replicated), (name, _) in zip(checks[2:], [(nm, p) for nm, p in ref.named_parameters() if p.requires_grad]):
+    for (what, replicated), (name, _) in zip(checks[len(y_ref) + 1:],
+                                             [(nm, p) for nm, p in ref.named_parameters() if p.requires_grad]):
         mine = sgrads.get(name)
         out.append((what, _err(mine.grad if mine is not None else None, rgrads.get(name), floor), replicated))
     return out
+
+
+def _split_dropouts(ref: nn.Module, mini: SimpleNamespace, order: list[str]) -> list[str]:
+    """Dropout modules (p > 0) that ran, in the reference forward, after a column layer of a
+    group and before its row layer: on feature-split activations (``path (p=...)``)."""
+    modules = dict(ref.named_modules())
+    groups: dict[str, list] = {}
+    for layer in mini.tp_layers:
+        if layer.kind in ("column", "row") and not layer.output_layer:
+            groups.setdefault(layer.group, []).append(layer)
+    out = []
+    for layers in groups.values():
+        cols = [order.index(l.path) for l in layers if l.kind == "column" and l.path in order]
+        rows = [order.index(l.path) for l in layers if l.kind == "row" and l.path in order]
+        if not cols or not rows:
+            continue
+        for path in order[min(cols) + 1:max(rows)]:
+            m = modules.get(path)
+            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+                out.append(f"{path} (p={m.p})")
+    return list(dict.fromkeys(out))
 
 
 def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -425,12 +475,15 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
         first = _first_float(args, kwargs)
         if first is not None and split:
             args, kwargs = _put_first_float(args, kwargs, _split(first, n, index).clone())
-        y = _first_tensor(module(*args, **kwargs))
-        cot = torch.randn(y.shape if not (split and unit.split_out) else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
-                          generator=torch.Generator().manual_seed(SEED + 3), dtype=torch.float64).to(y.device, y.dtype)
-        if split and unit.split_out:
-            cot = _split(cot, n, index)
-        (y * cot).sum().backward()
+        ys = _float_outputs(module(*args, **kwargs))
+        g = torch.Generator().manual_seed(SEED + 3)
+        loss = 0
+        for i, y in enumerate(ys):  # the same cotangents as _check: drawn at the unsharded shapes
+            shard_out = split and unit.split_out and i == 0
+            cot = torch.randn(y.shape if not shard_out else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
+                              generator=g, dtype=torch.float64).to(y.device, y.dtype)
+            loss = loss + (y * (_split(cot, n, index) if shard_out else cot)).sum()
+        loss.backward()
     want = dict(ref.named_parameters())
     have = dict(shd.named_parameters())
     for rel in rels:
@@ -471,6 +524,7 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
     if not causes:
         causes.append("the module's forward uses the split weights or activations in a way the column/row lowering does "
                       "not model (a fused projection whose blocks are not declared with fused=, a global size, a reshape)")
+    causes = list(dict.fromkeys(causes))
     return (f"shard(verify=True): the tensor-parallel lowering over {axis!r} (size {n}) of {type(model).__name__} is not "
             f"exact on its own modules (mesh {dict(plan.mesh_shape)}; each unit run sharded and unsharded in float64 on "
             f"random input, tolerance {TOLERANCE:g}):\n" + "\n".join(lines) + "\nLikely cause: " + "; ".join(causes) +

@@ -46,7 +46,9 @@ def sample_input(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
         return args, {}
     g = torch.Generator().manual_seed(SEED)
     t = sample_length(model, n)
-    first = next((m for m in model.modules() if any(p is not None for p in m._parameters.values())), None)
+    # the first layer that takes the input: an Embedding or a Linear, in registration order (a model may
+    # hold parameters of its own, such as a learned position table, before them)
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
     device = run_device(model)
     if isinstance(first, nn.Embedding):
         vocab = first.num_embeddings
@@ -67,15 +69,18 @@ def sample_input(model: nn.Module, plan: Any, n: int) -> tuple[tuple, dict]:
         return (torch.randn(2, t, first.in_features, generator=g).to(device, dtype),), {}
     raise ShardingError(
         f"shard(verify=True) runs one block of {type(model).__name__} sharded and unsharded to prove the tensor-parallel "
-        f"lowering exact, but cannot build a sample input for it (its first module with parameters is "
-        f"{type(first).__name__ if first is not None else 'none'}, not an Embedding or Linear). Fix: pass "
+        f"lowering exact, but cannot build a sample input for it (it has no Embedding or Linear to read one). Fix: pass "
         "verify_input=<a small example batch, the same on every rank> (a tensor or a tuple of positional arguments), "
         "or verify=False to skip the check")
 
 
-def capture_inputs(model: nn.Module, plan: Any, units: list, n: int) -> None:
+def capture_inputs(model: nn.Module, plan: Any, units: list, n: int) -> str | None:
     """Fill each unit's ``inputs`` (units have ``path``, ``kind``, ``inputs``): synthesized for
-    embeddings and output layers, captured for blocks (and the whole model: the sample itself)."""
+    embeddings and output layers, captured for blocks (and the whole model: the sample itself).
+
+    Returns:
+        None, or for a model on the meta device whose forward cannot run on meta tensors (HF
+        builds masks from values), why the blocks could not be checked."""
     g = torch.Generator().manual_seed(SEED + 1)
     t = sample_length(model, n)
     device = run_device(model)
@@ -92,10 +97,10 @@ def capture_inputs(model: nn.Module, plan: Any, units: list, n: int) -> None:
     if not todo:
         return
     if any(p.is_meta for p in model.parameters()):
-        _capture_on_meta(model, plan, todo, n, device)
-        return
+        return _capture_on_meta(model, plan, todo, n, device)
     args, kwargs = sample_input(model, plan, n)
     _run_with_hooks(model, todo, args, kwargs)
+    return None
 
 
 def _run_with_hooks(model: nn.Module, todo: dict, args: tuple, kwargs: dict) -> None:
@@ -159,7 +164,7 @@ def run_device(model: nn.Module) -> torch.device:
     return default_device()
 
 
-def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: torch.device) -> None:
+def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: torch.device) -> str | None:
     """A model on the meta device: run its forward on meta tensors to learn the blocks' input
     shapes, then fill them with fixed-seed values (floats normal; integers (positions) an arange
     along the last dimension; booleans (masks) True). Both sides of the check read the same
@@ -169,10 +174,10 @@ def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: to
     args, kwargs = tree_map(lambda x: x.to("meta"), (args, kwargs))
     try:
         _run_with_hooks(model, todo, args, kwargs)
-    except ShardingError:
+    except ShardingError as exc:
         for unit in todo.values():
             unit.inputs = None
-        return
+        return f"its forward does not run on the meta device ({str(exc.__cause__ or exc)[:160]})"
     g = torch.Generator().manual_seed(SEED + 4)
 
     def fill(x: torch.Tensor) -> torch.Tensor:
@@ -189,3 +194,4 @@ def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: to
     for unit in todo.values():
         if unit.inputs is not None:
             unit.inputs = tree_map(fill, unit.inputs)
+    return None

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
+from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
 from .gather import ParameterGathering
 
@@ -143,6 +144,9 @@ class ZeroRuntime(ParameterGathering):
                     buf.data.copy_(tmp)
 
     # -- backward: gradients -------------------------------------------------------------------
+    # The autograd engine calls these (a parameter's gradient hook, the end-of-backward callback);
+    # under a compiled function that calls ``backward()`` Dynamo would compile their frames too.
+    @eager
     def _on_grad_ready(self, prm: nn.Parameter) -> None:
         if not self._callback_queued:
             self._queue_callback()
@@ -266,6 +270,7 @@ class ZeroRuntime(ParameterGathering):
         chunk.reduce_tmp = None
         chunk.grad_full = None
 
+    @eager
     def _end_backward(self) -> None:
         self._callback_queued = False
         self.unsynced = not self.sync

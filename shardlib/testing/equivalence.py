@@ -14,7 +14,7 @@ from .tolerance import ReferenceRun, compare_records, reference_with_bands
 
 __all__ = ["assert_equivalent", "loss_of", "default_tolerances"]
 
-_HARNESS = {"optimizer_cls", "optimizer_kwargs", "loss_fn", "accum_steps", "max_grad_norm", "rtol", "seed", "pool"}
+_HARNESS = {"optimizer_cls", "optimizer_kwargs", "loss_fn", "accum_steps", "max_grad_norm", "rtol", "seed", "pool", "compile"}
 
 
 def default_tolerances(dtype: torch.dtype) -> float:
@@ -57,6 +57,14 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
     axes = smodel.plan.data_axes
     spec = shardlib.P(axes) if axes else shardlib.P()
     local = [shardlib.distribute(t, mesh, spec) for t in batch]
+    run, graphs = smodel, None
+    if harness["compile"] is not None:  # torch.compile(smodel, **compile), on a fresh Dynamo cache
+        from torch._dynamo import reset, utils
+
+        reset()
+        utils.counters.clear()
+        run = torch.compile(smodel, **harness["compile"])
+        graphs = utils.counters["stats"]
     accum = harness["accum_steps"]
     micro = [tuple(t.chunk(accum, dim=0)[i] for t in local) for i in range(accum)]
     pipeline = getattr(smodel, "pp_axis", None)  # a PipelineModule: the schedule runs forward and backward
@@ -72,7 +80,7 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
             for i, mb in enumerate(micro):
                 ctx = smodel.no_sync() if i < accum - 1 else contextlib.nullcontext()
                 with ctx:
-                    loss = _forward_loss(smodel, mb, harness["loss_fn"]) / accum
+                    loss = _forward_loss(run, mb, harness["loss_fn"]) / accum
                     loss.backward()
                 total += loss.detach().double()
         comm_bwd = mesh.comm.exact_bytes()
@@ -100,6 +108,8 @@ def _sharded_worker(make_model, mesh_shape, specs, batch, steps, options, harnes
                 "comm": comm,
                 "comm_bytes": comm_total,
                 "comm_backward_bytes": comm_bwd,
+                # Dynamo's totals so far (compile only): graphs compiled, operations they captured
+                "graphs": None if graphs is None else {k: graphs[k] for k in ("unique_graphs", "calls_captured")},
             }
         )
     planned = smodel.pipeline_plan if pipeline else smodel.plan
@@ -153,7 +163,10 @@ def assert_equivalent(
         **options: harness options ``optimizer_cls`` (AdamW), ``optimizer_kwargs``
             (``{"lr": 1e-2}``), ``loss_fn``, ``accum_steps`` (micro-steps per step, all but the
             last under ``no_sync()``), ``max_grad_norm``, ``rtol`` (default by dtype of the
-            first parameter: :func:`default_tolerances`), ``seed``; every other option goes to
+            first parameter: :func:`default_tolerances`), ``seed``, ``compile`` (a dict of
+            ``torch.compile`` arguments, such as ``{"backend": "aot_eager"}``: the sharded copy
+            is trained through ``torch.compile(smodel, **compile)``; each record then carries
+            Dynamo's counters under ``"graphs"``); every other option goes to
             :func:`shardlib.shard` (``zero_stage``, ``chunk_size``, ...).
 
     Returns:
@@ -178,6 +191,7 @@ def assert_equivalent(
         "accum_steps": options.pop("accum_steps", 1),
         "max_grad_norm": options.pop("max_grad_norm", None),
         "seed": options.pop("seed", 0),
+        "compile": options.pop("compile", None),
         "dropout_seed": options.get("dropout_seed", 0),
     }
     rtol = options.pop("rtol", None)
