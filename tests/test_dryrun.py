@@ -9,7 +9,6 @@ runs of GPT-7B and LLaMA-70B are benchmarks/dryrun.py, not tests.
 """
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardlib
-from shardlib import AbstractMesh, P, ShardingError
+from shardlib import AbstractMesh, ShardingError
 from shardlib.models import GPT, GPTConfig, gpt_preset, tp_specs
 from shardlib.parallel.schedules import bubble_fraction
 from shardlib.pipeline_plan import PipelinePlan
