@@ -14,7 +14,8 @@ input, unsharded and sharded, and the outputs and gradients are compared:
   ``WHOLE_MODEL_LIMIT`` parameters also whole (the sequence-parallel entry and exit, replicated
   layers between units). One instance per distinct (class, layout), so an 80-layer model costs
   one block;
-- inputs: a block's real inputs (hidden states, masks, rotary embeddings) are captured by running
+- inputs: (like ``shard()`` itself, this assumes every rank built the same model, from the same
+  seed) a block's real inputs (hidden states, masks, rotary embeddings) are captured by running
   the unsharded model on a small random batch (token ids for a model that starts with an
   embedding), stopped as soon as the last unit to capture was reached; embeddings get random
   ids, output layers random activations;
