@@ -47,10 +47,10 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
-from ..spec import shard_range
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
 from .tensor_rules import region_blocks, head_counts, is_attention
-from .tensor_verify_inputs import SEED, capture_inputs, run_device, sample_input, tree_map
+from .tensor_verify_inputs import (SEED, capture_inputs, first_float, float_outputs, inside, join, put_first_float,
+                                   rel, rel_error, run_device, sample_input, split_seq, tree_map)
 
 __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 
@@ -164,9 +164,9 @@ def _units(model: nn.Module, plan: Any) -> list[_Unit]:
     units = []
 
     def add(path: str, kind: str, **kw) -> None:
-        inside = tuple(sorted((_rel(l.path, path), l.kind, l.fused) for l in plan.tp_layers if _inside(l.path, path)))
+        layout = tuple(sorted((rel(l.path, path), l.kind, l.fused) for l in plan.tp_layers if inside(l.path, path)))
         params = tuple((nm, tuple(p.shape), p.requires_grad) for nm, p in modules[path].named_parameters())
-        key = (type(modules[path]), kind, inside, kw.get("split_in", False), params)  # instances that differ: each run
+        key = (type(modules[path]), kind, layout, kw.get("split_in", False), params)  # instances that differ: each run
         if key not in seen:
             seen.add(key)
             units.append(_Unit(path, kind, **kw))
@@ -194,14 +194,6 @@ def _ancestors(path: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def _inside(path: str, root: str) -> bool:
-    return root == "" or path == root or path.startswith(root + ".")
-
-
-def _rel(path: str, root: str) -> str:
-    return path if root == "" else ("" if path == root else path[len(root) + 1:])
-
-
 # -- one unit ----------------------------------------------------------------------------------
 def _randomize(module: nn.Module) -> None:
     """Same random float64 weights on every rank: norms near 1, other vectors near 0, matrices
@@ -220,24 +212,10 @@ def _randomize(module: nn.Module) -> None:
                 p.copy_(r.to(p.device))
 
 
-def _float_outputs(out: Any) -> list[torch.Tensor]:
-    """Every floating-point tensor in a module's output (a tensor, tuple, list, dict or HF
-    ``ModelOutput``), in order."""
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    return [t for v in values for t in _float_outputs(v)]
-
-
-def _split(x: torch.Tensor, n: int, index: int, dim: int = 1) -> torch.Tensor:
-    lo, hi = shard_range(x.shape[dim], n, index)
-    return x.narrow(dim, lo, hi - lo)
-
-
 def _mini_plan(plan: Any, root: str, sp: bool) -> SimpleNamespace:
-    layers = tuple(dataclasses.replace(l, path=_rel(l.path, root), group=_rel(l.group, root) if l.group else "")
-                   for l in plan.tp_layers if _inside(l.path, root))
-    names = tuple(_rel(x, root) for x in plan.sp_grad_params if _inside(x, root))
+    layers = tuple(dataclasses.replace(l, path=rel(l.path, root), group=rel(l.group, root) if l.group else "")
+                   for l in plan.tp_layers if inside(l.path, root))
+    names = tuple(rel(x, root) for x in plan.sp_grad_params if inside(x, root))
     return SimpleNamespace(tp_layers=layers, sequence_parallel=sp, sp_entry=None, sp_exit="", sp_grad_params=names)
 
 
@@ -255,19 +233,19 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     in the same order, on every rank: errors are reduced over the axis afterwards)."""
     original = model.get_submodule(unit.path) if unit.path else model
     mini = _unit_plan(plan, unit)
-    split_names = {_rel(n_, unit.path) for n_ in _split_param_names(plan) if _inside(n_, unit.path)}
+    split_names = {rel(n_, unit.path) for n_ in _split_param_names(plan) if inside(n_, unit.path)}
     dtype = torch.float64
 
     def run(module, split):
         args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, unit.inputs)
         args, kwargs = tree_map(lambda x: x.clone(), (args, kwargs))
-        first = _first_float(args, kwargs)
+        first = first_float(args, kwargs)
         if first is not None:
             if split:
-                first = _split(first, n, index).clone()
+                first = split_seq(first, n, index).clone()
             first.requires_grad_(True)
-            args, kwargs = _put_first_float(args, kwargs, first)
-        return first, _float_outputs(module(*args, **kwargs))
+            args, kwargs = put_first_float(args, kwargs, first)
+        return first, float_outputs(module(*args, **kwargs))
 
     for dtype in (torch.float64, torch.float32):  # float32 where a kernel takes no float64 (HF MoE grouped GEMMs)
         ref = _working_copy(original, dtype)
@@ -300,7 +278,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     # every floating output the loss may read (a block's auxiliary output, a MoE model's aux loss)
     checks = [("output", None)] + [(f"output {i} (of {len(y_ref)})", None) for i in range(1, len(y_ref))]
     checks += [("input gradient", None)]
-    checks += [(f"gradient of {_join(unit.path, name)}", None if name in split_names else name)
+    checks += [(f"gradient of {join(unit.path, name)}", None if name in split_names else name)
                for name, p in ref.named_parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(SEED + 3)
     cots = [torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.device, y.dtype) for y in y_ref]
@@ -315,7 +293,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
         grads, _ = lower_tensor_parallel(grads, SimpleNamespace(**{**vars(mini), "sp_grad_params": ()}), mesh)
         x_s, y_s = run(shd, unit.split_in)
-        cots_s = [_split(c, n, index) if unit.split_out and i == 0 else c for i, c in enumerate(cots)]
+        cots_s = [split_seq(c, n, index) if unit.split_out and i == 0 else c for i, c in enumerate(cots)]
         shapes = [tuple(c.shape) for c in cots_s]
         if [tuple(y.shape) for y in y_s] != shapes:
             raise RuntimeError(f"output shapes {[tuple(y.shape) for y in y_s]}, expected {shapes} (only the first output "
@@ -326,17 +304,17 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     except Exception as exc:
         what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
-    out = [(checks[i][0], _err(y, _split(r, n, index) if unit.split_out and i == 0 else r), None)
+    out = [(checks[i][0], rel_error(y, split_seq(r, n, index) if unit.split_out and i == 0 else r), None)
            for i, (y, r) in enumerate(zip(y_s, y_ref))]
-    gx = None if x_ref is None or x_ref.grad is None else (_split(x_ref.grad, n, index) if unit.split_in else x_ref.grad)
-    out.append(("input gradient", _err(x_s.grad if x_s is not None else None, gx), None))
+    gx = None if x_ref is None or x_ref.grad is None else (split_seq(x_ref.grad, n, index) if unit.split_in else x_ref.grad)
+    out.append(("input gradient", rel_error(x_s.grad if x_s is not None else None, gx), None))
     floor = 1e-3 * scale
     sgrads = dict(shd.named_parameters())
     rgrads = dict(grads.named_parameters())
     for (what, replicated), (name, _) in zip(checks[len(y_ref) + 1:],
                                              [(nm, p) for nm, p in ref.named_parameters() if p.requires_grad]):
         mine = sgrads.get(name)
-        out.append((what, _err(mine.grad if mine is not None else None, rgrads.get(name), floor), replicated))
+        out.append((what, rel_error(mine.grad if mine is not None else None, rgrads.get(name), floor), replicated))
     return out
 
 
@@ -395,49 +373,10 @@ def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
 def _split_param_names(plan: Any) -> set[str]:
     out = set()
     for layer in plan.tp_layers:
-        out.add(_join(layer.path, "weight"))
+        out.add(join(layer.path, "weight"))
         if layer.kind == "column":
-            out.add(_join(layer.path, "bias"))
+            out.add(join(layer.path, "bias"))
     return out
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}.{b}" if a else b
-
-
-def _first_float(args, kwargs):
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return a
-    for key in ("hidden_states", "x", "input", "inputs"):
-        if isinstance(kwargs.get(key), torch.Tensor) and kwargs[key].is_floating_point():
-            return kwargs[key]
-    return None
-
-
-def _put_first_float(args, kwargs, value):
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return args[:i] + (value,) + args[i + 1:], kwargs
-    for key in ("hidden_states", "x", "input", "inputs"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return args, {**kwargs, key: value}
-    return args, kwargs
-
-
-def _err(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 0.0) -> float:
-    """max |got - want| / max(max |want|, floor) (0 when both are absent or zero; inf on a shape
-    mismatch)."""
-    if got is None and want is None:
-        return 0.0
-    if got is None or want is None:
-        other = got if want is None else want
-        return 0.0 if float(other.abs().max()) == 0.0 else float("inf")
-    if got.shape != want.shape or not bool(torch.isfinite(got).all()) or not bool(torch.isfinite(want).all()):
-        return float("inf")  # NaN on either side proves nothing: refused
-    scale = max(float(want.detach().abs().max()) if want.numel() else 0.0, floor)
-    diff = float((got.detach() - want.detach()).abs().max()) if want.numel() else 0.0
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 # -- diagnosis ---------------------------------------------------------------------------------
@@ -453,9 +392,9 @@ def _partial_sums(model, plan, mesh, axis, failures) -> set[str]:
         unit = next(u for u, _, _, _ in failures if u.path == path)
         n, index = mesh.size(axis), mesh.index(axis)
         sums = _summed_grads(model, plan, mesh, axis, n, index, unit, rels)
-        for rel, ok in sums.items():
+        for name, ok in sums.items():
             if ok:
-                found.add(_join(path, rel))
+                found.add(join(path, name))
     return found
 
 
@@ -473,24 +412,25 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     out = {}
     for module, split in ((ref, False), (shd, unit.split_in)):
         args, kwargs = tree_map(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
-        first = _first_float(args, kwargs)
+        first = first_float(args, kwargs)
         if first is not None and split:
-            args, kwargs = _put_first_float(args, kwargs, _split(first, n, index).clone())
-        ys = _float_outputs(module(*args, **kwargs))
+            args, kwargs = put_first_float(args, kwargs, split_seq(first, n, index).clone())
+        ys = float_outputs(module(*args, **kwargs))
         g = torch.Generator().manual_seed(SEED + 3)
         loss = 0
         for i, y in enumerate(ys):  # the same cotangents as _check: drawn at the unsharded shapes
             shard_out = split and unit.split_out and i == 0
             cot = torch.randn(y.shape if not shard_out else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
                               generator=g, dtype=torch.float64).to(y.device, y.dtype)
-            loss = loss + (y * (_split(cot, n, index) if shard_out else cot)).sum()
+            loss = loss + (y * (split_seq(cot, n, index) if shard_out else cot)).sum()
         loss.backward()
     want = dict(ref.named_parameters())
     have = dict(shd.named_parameters())
-    for rel in rels:
-        g = have[rel].grad.detach().clone() if have[rel].grad is not None else torch.zeros_like(have[rel])
+    floor = 1e-3 * max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    for name in rels:
+        g = have[name].grad.detach().clone() if have[name].grad is not None else torch.zeros_like(have[name])
         raw_all_reduce(g, mesh, axis, note="verify")
-        out[rel] = _err(g, want[rel].grad, 1e-3 * max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)) <= TOLERANCE
+        out[name] = rel_error(g, want[name].grad, floor) <= TOLERANCE
     return out
 
 
@@ -513,12 +453,12 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
         if unit.kind == "embedding" and type(m) is not nn.Embedding and type(m).forward is not nn.Embedding.forward:
             causes.append(f"{type(m).__name__}.forward overrides nn.Embedding.forward without reaching the parallel lookup "
                           "through super().forward(ids): it reads this rank's rows as the whole table")
-        hints = _global_sizes(m, [_rel(l.path, unit.path) for l in plan.tp_layers if _inside(l.path, unit.path)])
+        hints = _global_sizes(m, [rel(l.path, unit.path) for l in plan.tp_layers if inside(l.path, unit.path)])
         if hints and unit.kind == "block":
             causes.append(f"what may hold a global size the lowering did not make local: {', '.join(hints[:6])}")
         if unit.split_in:
             mixers = [p for p, c in m.named_modules() if is_attention(c) and not any(
-                _inside(l.path, _join(unit.path, p)) for l in plan.tp_layers)]
+                inside(l.path, join(unit.path, p)) for l in plan.tp_layers)]
             if mixers:
                 causes.append(f"{', '.join(mixers[:4])} mix positions (attention) but are replicated inside the "
                               "sequence-parallel region, where each rank holds only part of the sequence")
@@ -538,16 +478,16 @@ def _global_sizes(m: nn.Module, split: list[str]) -> list[str]:
     layer) that still equal a global head count or width."""
     out = []
     for path, c in m.named_modules():
-        if not is_attention(c) or not any(_inside(s_, path) and s_ != path for s_ in split):
+        if not is_attention(c) or not any(inside(s_, path) and s_ != path for s_ in split):
             continue
         head_dim, heads, kv = head_counts(c)
         for pname, prm in c.named_parameters():
-            owner = _join(path, pname.rpartition(".")[0])
-            if heads and heads in tuple(prm.shape) and not any(_inside(s_, owner) and s_ == owner for s_ in split):
-                out.append(f"{_join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
+            owner = join(path, pname.rpartition(".")[0])
+            if heads and heads in tuple(prm.shape) and not any(inside(s_, owner) and s_ == owner for s_ in split):
+                out.append(f"{join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
         for k, v in vars(c).items():
             if k in ("head_dim", "head_size", "key_value_proj_dim", "d_kv", "num_key_value_groups") or k in LOCALIZED:
                 continue  # per-head sizes and ratios are the same on every rank; the lowering made these local
             if isinstance(v, int) and not isinstance(v, bool) and heads and v in (heads, kv or -1, heads * (head_dim or 0)):
-                out.append(f"{_join(path, k)}={v}")
+                out.append(f"{join(path, k)}={v}")
     return out

@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
+from ..spec import shard_range
 
-__all__ = ["SEED", "sample_length", "sample_input", "capture_inputs", "tree_map"]
+__all__ = ["SEED", "sample_length", "sample_input", "capture_inputs", "tree_map", "run_device", "inside", "rel",
+           "join", "split_seq", "first_float", "put_first_float", "float_outputs", "rel_error"]
 
 SEED = 20261201
 
@@ -195,3 +197,64 @@ def _capture_on_meta(model: nn.Module, plan: Any, todo: dict, n: int, device: to
         if unit.inputs is not None:
             unit.inputs = tree_map(fill, unit.inputs)
     return None
+
+
+def inside(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def rel(path: str, root: str) -> str:
+    return path if root == "" else ("" if path == root else path[len(root) + 1:])
+
+
+def join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def split_seq(x: torch.Tensor, n: int, index: int, dim: int = 1) -> torch.Tensor:
+    lo, hi = shard_range(x.shape[dim], n, index)
+    return x.narrow(dim, lo, hi - lo)
+
+
+def first_float(args, kwargs):
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    for key in ("hidden_states", "x", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor) and kwargs[key].is_floating_point():
+            return kwargs[key]
+    return None
+
+
+def put_first_float(args, kwargs, value):
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return args[:i] + (value,) + args[i + 1:], kwargs
+    for key in ("hidden_states", "x", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: value}
+    return args, kwargs
+
+
+def float_outputs(out: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a module's output (a tensor, tuple, list, dict or HF
+    ``ModelOutput``), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for v in values for t in float_outputs(v)]
+
+
+def rel_error(got: torch.Tensor | None, want: torch.Tensor | None, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, floor) (0 when both are absent or zero; inf on a shape
+    mismatch)."""
+    if got is None and want is None:
+        return 0.0
+    if got is None or want is None:
+        other = got if want is None else want
+        return 0.0 if float(other.abs().max()) == 0.0 else float("inf")
+    if got.shape != want.shape or not bool(torch.isfinite(got).all()) or not bool(torch.isfinite(want).all()):
+        return float("inf")  # NaN on either side proves nothing: refused
+    scale = max(float(want.detach().abs().max()) if want.numel() else 0.0, floor)
+    diff = float((got.detach() - want.detach()).abs().max()) if want.numel() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
