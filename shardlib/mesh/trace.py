@@ -275,12 +275,21 @@ class Trace:
         cache = self._sites
         while f is not None and depth < 80:
             code = f.f_code
-            kind = self._kinds.get(code)
+            try:
+                kind = self._kinds.get(code)
+                cacheable = True
+            except TypeError:  # code torch.compile generated can hold a dict among its constants: unhashable
+                kind, cacheable = None, False
             if kind is None:
                 fn = code.co_filename
                 lib = (fn.startswith(self._torch) or fn.startswith(_STDLIB_DIR) or fn.startswith("<frozen")
                        or "site-packages" in fn) and not fn.startswith(_PKG_DIR)
-                kind = self._kinds[code] = 0 if lib else 1 if fn.startswith(_MESH_DIR) else 2 if fn.startswith(_PKG_DIR) else 3
+                kind = 0 if lib else 1 if fn.startswith(_MESH_DIR) else 2 if fn.startswith(_PKG_DIR) else 3
+                if cacheable:
+                    self._kinds[code] = kind
+            if not cacheable:
+                f, depth = f.f_back, depth + 1  # nor can its call site be cached by code: it is compiled code
+                continue
             if kind >= 2 and not site:
                 site = cache.get((code, f.f_lasti, False)) or self._site(f, False)
             if kind == 3:
