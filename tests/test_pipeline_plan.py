@@ -102,8 +102,10 @@ SP = dict(sequence_parallel=True, schedule="1f1b", microbatches=2)
 REFUSED = [
     (dict(specs=gpt_preset().specs, sp_entry="blocks.2"), ["entry 'blocks.2' is on stage 1", "not on stage 0",
                                                             "Fix: sp_entry= a module of the first stage"]),
-    (dict(specs=tp_specs(), sp_exit="blocks.1"), ["'blocks.1' gathers the sequence but is on stage 0", "not on the last stage 1",
-                                                  "Fix: split_points="]),
+    (dict(specs=tp_specs(), sp_exit="blocks.3", split_points=["head"]),
+     ["'blocks.3' gathers the sequence but is on stage 0", "not on the last stage 1", "Fix: split_points="]),
+    (dict(specs=tp_specs(), sp_exit="blocks.1"), ["sp_exit 'blocks.1' is inside the sequence-parallel region's block",
+                                                  "Fix: sp_exit='blocks.3'"]),
     (dict(specs=tp_specs(), sp_exit="ln_f", split_points=["blocks.0"]),
      ["pp rank 0 holds layers ['embed'] with no tensor-parallel layer", "Fix: split_points= that give every stage a block"]),
 ]

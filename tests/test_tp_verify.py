@@ -325,3 +325,17 @@ def test_units_alone_refuse(case):
     make, specs, words = CASES[case]
     for ok, message in run_on(2, _refused_units_alone, make, specs, words):
         assert ok, message
+
+
+def test_sequence_parallel_exit_before_the_last_block_is_refused():
+    """An sp_exit on an early block crashed at real size (the blocks after it got the whole
+    sequence into sequence-parallel layers); refused at plan time."""
+    cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(cfg)
+    specs = shardlib.models.llama_preset().specs
+    with pytest.raises(ShardingError, match="sp_exit 'model.layers.0' is inside the sequence-parallel region's block "
+                                            "'model.layers.0', before its last block 'model.layers.2'"):
+        shardlib.plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True, sp_exit="model.layers.0")
+    p = shardlib.plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True, sp_exit="model.layers.2")
+    assert p.sp_exit == "model.layers.2"

@@ -331,7 +331,8 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     are partial sums.
 
     Raises:
-        ShardingError: an entry or exit that is not a module; no entry found.
+        ShardingError: an entry or exit that is not a module; no entry found; an exit inside a block
+            before the region's last.
     """
     modules = dict(model.named_modules())
     for label, given in (("sp_entry", entry), ("sp_exit", exit_)):
@@ -356,6 +357,12 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     blocks = region_blocks(modules, entry)
     if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
         exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
+    inner = [b for b in blocks[:-1] if exit_ is not None and (exit_ == b or exit_.startswith(b + "."))]
+    if inner:
+        raise ShardingError(
+            f"sp_exit {exit_!r} is inside the sequence-parallel region's block {inner[0]!r}, before its last block "
+            f"{blocks[-1]!r}: the blocks after it would get the whole sequence while their layers expect sequence "
+            f"shards. Fix: sp_exit={blocks[-1]!r} (or the final norm after it), or leave sp_exit unset")
     container = blocks[0].rpartition(".")[0].rpartition(".")[0] if blocks else None  # the blocks' list's parent
     names = []
     for mname, module in model.named_modules():
