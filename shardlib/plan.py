@@ -285,77 +285,63 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         broadcast_buffers: re-broadcast buffers from the data-axis root before every forward
             (DDP's default); default False (buffers are synchronized once, at shard time).
         logical_axis_rules: a table from logical axis names used in ``specs`` to mesh axes.
-        fused: ``{module glob: blocks}`` for column layers whose output joins several
-            projections, each split separately: a number of equal blocks (GPT-2's ``c_attn``:
-            ``{"*.c_attn": 3}``) or the block sizes along the output (Phi-3's ``qkv_proj`` under
-            grouped-query attention: ``{"*.qkv_proj": (H * hd, KV * hd, KV * hd)}``).
+        fused: ``{module glob: blocks}`` for column layers joining projections, each split on its
+            own: equal blocks (GPT-2: ``{"*.c_attn": 3}``) or sizes (Phi-3: ``(H*hd, KV*hd, KV*hd)``).
         sequence_parallel: Megatron sequence parallelism on the tensor axis (arXiv 2205.05198).
         sp_entry: the module whose input is split along the sequence (default: ``drop``, else
             the first decoder block).
         sp_exit: a module whose output is gathered along the sequence (GPT-2's ``ln_f``, before
             Hugging Face reshapes by the full length); default: the output layer gathers.
-        tp_sum_grads: globs over parameter names of replicated parameters used on activations
-            split over the tensor axis, whose gradients are summed over it (found automatically:
-            norms and row biases under sequence parallelism, every replicated parameter of the
-            blocks in the sequence-parallel region, per-head norms inside split attention).
-        verify: before lowering, run each distinct tensor-parallel unit (a decoder block, a
-            parallel embedding, the LM head) sharded and unsharded in float64 on random input
-            and refuse any difference (:mod:`shardlib.parallel.tensor_verify`); default True.
-        verify_input: the positional arguments (a tensor or tuple, the same on every rank) of
-            a small forward that reaches the blocks; default: random token ids for a model that
-            starts with an embedding, random activations for one that starts with a Linear.
+        tp_sum_grads: globs of replicated parameters used on tensor-split activations, whose
+            gradients are summed over the axis (the usual ones are found: tensor_rules).
+        verify: prove the tensor-parallel lowering exact on the model's own modules before
+            lowering, else refuse (:mod:`shardlib.parallel.tensor_verify`); default True.
+        verify_input: the positional arguments of a small forward for that check (the same on
+            every rank); default: random token ids, or activations for a model without embedding.
         dropout_seed: seed of the mesh-independent dropout that replaces ``nn.Dropout``
             (:mod:`shardlib.random`); default 0.
-        init_rules: for a model built on the meta device, ``{glob: rule}`` or
-            ``(name, param) -> rule`` (rules ``("normal", std)``, ``("uniform", lo, hi)``,
-            ``("zeros",)``, ...); the model's ``shardlib_init_rules()`` is used after it. Each rank
-            materializes only its shards, equal to :func:`shardlib.lazy.init_parameters` on one
-            device (see :mod:`shardlib.lazy`).
+        init_rules: for a model built on the meta device, ``{glob: rule}`` or ``(name, param) -> rule`` (rules
+            ``("normal", std)``, ``("uniform", lo, hi)``, ``("zeros",)``, ...); the model's
+            ``shardlib_init_rules()`` is used after it. Each rank materializes only its shards, equal to
+            :func:`shardlib.lazy.init_parameters` on one device (see :mod:`shardlib.lazy`).
         init_seed: the seed of that initialization; default 0.
-        offload_ratio: fraction in [0, 1] of saved activation bytes moved to host memory in
-            forward and back in backward (haiscale's ``CPUOffload``; :mod:`shardlib.parallel.offload`);
-            ``0.0`` moves nothing but measures (``smodel.activation_offload.stats``); default
-            None: no saved-tensor hooks.
+        offload_ratio: fraction in [0, 1] of saved activation bytes moved to host memory in forward and back in
+            backward (haiscale's ``CPUOffload``; :mod:`shardlib.parallel.offload`); ``0.0`` moves nothing but
+            measures (``smodel.activation_offload.stats``); default None: no saved-tensor hooks.
         optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
             2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
-        param_dtype: mixed precision (the semantics of FSDP2's ``MixedPrecisionPolicy``;
-            Micikevicius et al., arXiv 1710.03740): forward and backward run on copies of the
-            floating parameters in this dtype (``torch.bfloat16`` or ``torch.float16``), while
-            the master weights, gradients and optimizer state stay in the parameters' own dtype
-            (fp32) on the ZeRO shards. Stage 3 casts its shard and all-gathers in
-            ``param_dtype`` (half the bytes of fp32); stages 0-2 keep a full compute copy,
-            refreshed from the masters after every optimizer step. The module's parameters
-            (``p.data``) are the compute copies, and their ``p.grad`` stays None (gradients go
-            straight into the fp32 flat buffers: :func:`shardlib.full_grads` reads them); floating-point tensors among the inputs of
-            ``smodel(...)`` are cast to ``param_dtype`` (FSDP2's ``cast_forward_inputs``), outputs
-            are left as computed; buffers are not cast (cast them yourself if the model needs it).
-            ``None`` (default): no mixed precision.
-        reduce_dtype: the dtype gradients are reduced in, over the data axes and, for parameters
-            replicated over a tensor axis whose gradient is summed over it (norm weights under
-            sequence parallelism), over that axis; they are then added into the master-dtype
-            gradient shard. Default: the master dtype (fp32 reduction; unlike FSDP2, whose
-            default is ``param_dtype``). Use :class:`~shardlib.GradScaler` with ``float16``.
-        pp_axis: the pipeline axis (default ``pp``). With it of size > 1 in the mesh, the pipeline
-            options are ``schedule`` (``"gpipe"``, GPipe arXiv 1811.06965; ``"1f1b"``, the
-            default, PipeDream-flush; ``"interleaved_1f1b"``, both arXiv 2104.04473),
-            ``microbatches`` (default the pipeline size), ``virtual_stages`` (model chunks per
-            rank, default 1) and ``split_points`` (the layers starting stages 1, 2, ...; default
-            balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
+        param_dtype: mixed precision (the semantics of FSDP2's ``MixedPrecisionPolicy``; Micikevicius et al., arXiv
+            1710.03740): forward and backward run on copies of the floating parameters in this dtype
+            (``torch.bfloat16`` or ``torch.float16``), while the master weights, gradients and optimizer state stay
+            in the parameters' own dtype (fp32) on the ZeRO shards. Stage 3 casts its shard and all-gathers in
+            ``param_dtype`` (half the bytes of fp32); stages 0-2 keep a full compute copy, refreshed from the
+            masters after every optimizer step. The module's parameters (``p.data``) are the compute copies, and
+            their ``p.grad`` stays None (gradients go straight into the fp32 flat buffers:
+            :func:`shardlib.full_grads` reads them); floating-point tensors among the inputs of ``smodel(...)`` are
+            cast to ``param_dtype`` (FSDP2's ``cast_forward_inputs``), outputs are left as computed; buffers are not
+            cast (cast them yourself if the model needs it). ``None`` (default): no mixed precision.
+        reduce_dtype: the dtype gradients are reduced in, over the data axes and, for parameters replicated over a
+            tensor axis whose gradient is summed over it (norm weights under sequence parallelism), over that axis;
+            they are then added into the master-dtype gradient shard. Default: the master dtype (fp32 reduction;
+            unlike FSDP2, whose default is ``param_dtype``). Use :class:`~shardlib.GradScaler` with ``float16``.
+        pp_axis: the pipeline axis (default ``pp``). With it of size > 1 in the mesh, the pipeline options are
+            ``schedule`` (``"gpipe"``, GPipe arXiv 1811.06965; ``"1f1b"``, the default, PipeDream-flush;
+            ``"interleaved_1f1b"``, both arXiv 2104.04473), ``microbatches`` (default the pipeline size),
+            ``virtual_stages`` (model chunks per rank, default 1) and ``split_points`` (the layers starting stages
+            1, 2, ...; default balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
 
     Returns:
         The :class:`Plan`, or a :class:`~shardlib.pipeline_plan.PipelinePlan` on a pipeline mesh.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or ``mesh`` not a Mesh / AbstractMesh.
-        ShardingError: an unknown option, or one of the wrong type (see
-            :func:`shardlib.options.check_options`); a zero_stage outside 0-3; an unknown or
-            repeated data axis; a ``fused`` glob that matches no module; a spec naming an unknown
-            axis or longer than its tensor; a spec along a data axis with zero_stage < 3; a tensor-parallel layout that
-            cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis of size > 1
-            that nothing uses; a pattern matching no
-            parameter; conflicting specs on a tied parameter; a parameter on the meta device with
-            no init rule (or a model only partly on meta); an ``offload_ratio`` outside [0, 1];
-            a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
+        ShardingError: an unknown option, or one of the wrong type (see :func:`shardlib.options.check_options`); a
+            zero_stage outside 0-3; an unknown or repeated data axis; a ``fused`` glob that matches no module; a
+            spec naming an unknown axis or longer than its tensor; a spec along a data axis with zero_stage < 3; a
+            tensor-parallel layout that cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis
+            of size > 1 that nothing uses; a pattern matching no parameter; conflicting specs on a tied parameter; a
+            parameter on the meta device with no init rule (or a model only partly on meta); an ``offload_ratio``
+            outside [0, 1]; a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
             pipeline option without a pipeline axis; the pipeline checks of
             :func:`~shardlib.pipeline_plan.plan_pipeline`; a model that is, or contains, a module
             :func:`~shardlib.shard` was given or returned (a module is sharded once).

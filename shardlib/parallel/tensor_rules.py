@@ -33,7 +33,7 @@ from ..spec import PartitionSpec
 
 __all__ = ["TPLayer", "analyze_tensor_parallel", "tensor_split", "sequence_parallel_layout", "split_region_params",
            "is_attention", "head_counts", "region_blocks",
-           "with_sum_globs"]
+           "with_sum_globs", "split_param_names"]
 
 
 @dataclass(frozen=True)
@@ -353,7 +353,7 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
                 f"the embeddings or a ModuleList of blocks; {type(model).__name__} has neither. Fix: pass sp_entry='<path>'"
             )
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
-    split = _tp_param_names(tp_layers)
+    split = split_param_names(tp_layers)
     blocks = region_blocks(modules, entry)
     if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
         exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
@@ -381,7 +381,7 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     return entry, exit_ or "", tuple(dict.fromkeys(names))
 
 
-def _tp_param_names(tp_layers) -> set[str]:
+def split_param_names(tp_layers) -> set[str]:
     """Names of the parameters split over the tensor axis (column/row weights, column biases)."""
     out = set()
     for layer in tp_layers:
@@ -419,7 +419,7 @@ def split_region_params(model: nn.Module, tp_layers) -> tuple[str, ...]:
     """
     modules = dict(model.named_modules())
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    split = _tp_param_names(tp_layers) | {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
+    split = split_param_names(tp_layers) | {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     parents = {layer.group for layer in tp_layers if layer.group and layer.group not in in_lists}
     names = []
     for parent in sorted(parents):
@@ -439,8 +439,7 @@ def with_sum_globs(model: nn.Module, names: tuple[str, ...], globs, tp_layers) -
     """
     if not globs:
         return names
-    split = {f"{l.path}.weight" if l.path else "weight" for l in tp_layers}
-    split |= {f"{l.path}.bias" if l.path else "bias" for l in tp_layers if l.kind == "column"}
+    split = split_param_names(tp_layers)
     out = list(names)
     for pattern in globs:
         hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]

@@ -48,7 +48,7 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
-from .tensor_rules import region_blocks, head_counts, is_attention
+from .tensor_rules import head_counts, is_attention, region_blocks, split_param_names
 from .tensor_verify_inputs import (SEED, capture_inputs, first_float, float_outputs, inside, join, put_first_float,
                                    rel, rel_error, run_device, sample_input, split_seq, tree_map)
 
@@ -233,7 +233,7 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     in the same order, on every rank: errors are reduced over the axis afterwards)."""
     original = model.get_submodule(unit.path) if unit.path else model
     mini = _unit_plan(plan, unit)
-    split_names = {rel(n_, unit.path) for n_ in _split_param_names(plan) if inside(n_, unit.path)}
+    split_names = {rel(n_, unit.path) for n_ in split_param_names(plan.tp_layers) if inside(n_, unit.path)}
     dtype = torch.float64
 
     def run(module, split):
@@ -368,15 +368,6 @@ def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
         return torch.float64
     except Exception:
         return torch.float32
-
-
-def _split_param_names(plan: Any) -> set[str]:
-    out = set()
-    for layer in plan.tp_layers:
-        out.add(join(layer.path, "weight"))
-        if layer.kind == "column":
-            out.add(join(layer.path, "bias"))
-    return out
 
 
 # -- diagnosis ---------------------------------------------------------------------------------
