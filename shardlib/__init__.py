@@ -4,7 +4,7 @@ Declare a :class:`Mesh` with named axes, put :class:`PartitionSpec` s on paramet
 :func:`shard`. This module is the whole public surface; ``__all__`` lists it.
 """
 
-from .errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError, ShardingError, WorkerError
+from .errors import CollectiveDeviceError, CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError, ShardingError, WorkerError
 from .mesh import (
     AbstractMesh,
     Mesh,
@@ -69,6 +69,7 @@ __all__ = [
     "WorkerError",
     "CollectiveError",
     "CollectiveMismatchError",
+    "CollectiveDeviceError",
     "RankFailureError",
     "CollectiveTimeoutError",
     "AbstractMesh",

@@ -364,6 +364,7 @@ def dry_run(model: Any = "gpt-7b", mesh: dict[str, int] | None = None, rank: int
             options = {**preset_options, **options}
         t1 = time.perf_counter()
         fmesh = shardlib.init_mesh(mesh)
+        fmesh.device = torch.device("meta")  # every tensor of the step is on meta, and so is what it communicates
         with materialize_on("meta"):
             smodel = shardlib.shard(net, fmesh, specs, zero_stage=zero_stage, **pp, **options)
         t2 = time.perf_counter()

@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveMismatchError",
     "RankFailureError",
     "CollectiveTimeoutError",
+    "CollectiveDeviceError",
 ]
 
 
@@ -101,3 +102,11 @@ class RankFailureError(CollectiveError):
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A collective waited the whole timeout (``SHARDLIB_TIMEOUT``) while a peer was busy
     outside any collective; the message names the peer and where it is."""
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor handed to ``torch.distributed`` is not on the mesh's communication device
+    (:attr:`shardlib.Mesh.device`: CUDA on NCCL, which rejects CPU tensors). Raised before the
+    call is issued, in check mode (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests), naming
+    the call, the tensor and the call site: a shardlib bug, or a tensor of the user's on the
+    wrong device."""

@@ -104,7 +104,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
     rec, verify = begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
     group = mesh.group(names)
-    if mesh.backend == "gloo":
+    if not mesh.native:
         flat, src = out.view(-1), shard.view(-1)
         peers = _peers(mesh, names, index)
         if src.data_ptr() != slot.data_ptr():
@@ -138,7 +138,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
                          async_op=async_op)
     group = mesh.group(names, channel)
     flat, out = full.view(-1), shard.view(-1)
-    if mesh.backend == "gloo":
+    if not mesh.native:
         peers = _peers(mesh, names, index)
         parts = {j: flat.new_empty(k) for j, _ in peers}
         works = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group, mesh)

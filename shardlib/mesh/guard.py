@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle"]
+__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_devices"]
 
 _OP_NAMES = ("sum", "max", "min", "avg")  # the order of collectives._OPS: an op's index is its id in the check
 
@@ -137,7 +137,17 @@ def _where(rec: dict) -> str:
 def post(mesh: Mesh, fn, *args, **kwargs):
     """Issue the ``torch.distributed`` call ``fn(*args, **kwargs)``; on gloo, a failure at issue
     (a peer gone: ``Connection closed by peer``) is diagnosed as a failed wait is, and raised as
-    a :class:`~shardlib.errors.CollectiveError` naming the rank that is gone."""
+    a :class:`~shardlib.errors.CollectiveError` naming the rank that is gone.
+
+    Every ``torch.distributed`` call of shardlib goes through here. With
+    ``SHARDLIB_CHECK_COLLECTIVES=1`` (on in the tests) each tensor argument (in a list, or a
+    ``P2POp``'s, too) must be on :attr:`Mesh.device` (NCCL rejects a CPU tensor; a dry run's
+    device is ``meta``, so CPU tests catch a call site that allocates without ``device=``).
+
+    Raises:
+        CollectiveDeviceError: a tensor on another device (check mode), before it is issued."""
+    if mesh.trace.check:
+        check_devices(mesh, fn, args, kwargs)
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
@@ -146,6 +156,35 @@ def post(mesh: Mesh, fn, *args, **kwargs):
         if mesh.watchdog is None or mesh.backend != "gloo" or isinstance(exc, CollectiveError):
             raise
         mesh.watchdog.fail(exc)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dist.P2POp):
+        yield value.tensor
+
+
+def check_devices(mesh: Mesh, fn, args, kwargs) -> None:
+    """Raise :class:`~shardlib.errors.CollectiveDeviceError` when a tensor among ``args`` /
+    ``kwargs`` of the ``torch.distributed`` call ``fn`` is not on ``mesh.device``."""
+    want = mesh.device
+    for t in _tensors(list(args) + list(kwargs.values())):
+        if t.device != want:
+            import traceback
+
+            from ..errors import CollectiveDeviceError
+
+            site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}"
+                         for f in reversed(traceback.extract_stack()[:-2]) if "/mesh/guard.py" not in f.filename), "?")
+            raise CollectiveDeviceError(
+                f"torch.distributed.{getattr(fn, '__name__', fn)} was given a tensor of shape {tuple(t.shape)} "
+                f"({str(t.dtype).replace('torch.', '')}) on {t.device}, but the mesh {mesh.shape} communicates on "
+                f"{want} (backend {mesh.backend}; NCCL takes CUDA tensors only). Call site: {site}. Fix: allocate "
+                "it with device=mesh.device (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
 
 
 class Handle:

@@ -212,6 +212,15 @@ class Mesh(AbstractMesh):
         trace: this process's :class:`~shardlib.mesh.trace.Trace` of the collectives it issued.
         watchdog: the :class:`~shardlib.mesh.watchdog.Watchdog` bounding and diagnosing waits
             (None in a one-process world).
+        device: the ``torch.device`` every tensor handed to ``torch.distributed`` lives on: this
+            process's CUDA device on NCCL (``torch.cuda.current_device()``), else the CPU; a dry
+            run sets ``meta`` (:mod:`shardlib.dryrun`). With ``SHARDLIB_CHECK_COLLECTIVES=1`` (on
+            in the tests) every call checks it (:func:`shardlib.mesh.guard.post`).
+        native: whether flat-buffer all-gathers and reduce-scatters use torch's
+            ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (True on NCCL and the fake
+            group) or direct point-to-point exchanges (gloo, where they are faster:
+            :mod:`.collectives`). ``SHARDLIB_NATIVE_COLLECTIVES=1`` forces the native calls on
+            gloo, so the CPU tests run the NCCL branch too.
 
     Raises:
         ShardingError: bad shape, or a product of sizes different from the world size.
@@ -236,6 +245,8 @@ class Mesh(AbstractMesh):
         self.timeout = _timeout(timeout, "Mesh")
         self.comm = CommCounter()
         self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        self.device = _comm_device(self.backend)
+        self.native = self.backend != "gloo" or os.environ.get("SHARDLIB_NATIVE_COLLECTIVES", "0") not in ("", "0")
         from .watchdog import process_watchdog
 
         self.trace, self.watchdog = process_watchdog(self)
@@ -287,6 +298,16 @@ class Mesh(AbstractMesh):
 
     def __exit__(self, *exc) -> None:
         _CURRENT.reset(self._tokens.pop())
+
+
+def _comm_device(backend: str):
+    """The device collectives of ``backend`` take tensors on: NCCL's is the current CUDA device
+    (``init_mesh`` sets it from ``LOCAL_RANK``), gloo's and the fake group's the CPU."""
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def current_mesh() -> Mesh:

@@ -197,9 +197,9 @@ class PipelineRunner:
     def _send(self, t: torch.Tensor, stage: int, mb: int, grad: bool, pending: list) -> None:
         dst = self.ranks[(stage + (-1 if grad else 1)) % self.p]
         t = t.detach().contiguous()
-        header = torch.zeros(8, dtype=torch.int64)
+        header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
         header[0] = t.dim()
-        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64, device=header.device)
         header[7] = _DTYPES.index(t.dtype)
         tag = self._tag(stage, mb, grad)
         self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
@@ -224,11 +224,11 @@ class PipelineRunner:
         src = self.ranks[(stage + (1 if grad else -1)) % self.p]
         sender_stage = stage + (1 if grad else -1)
         tag = self._tag(sender_stage, mb, grad)
-        header = torch.empty(8, dtype=torch.int64)
+        header = torch.empty(8, dtype=torch.int64, device=self.mesh.device)
         rec = self._trace("recv", header, sender_stage, mb, grad, src)
         wait_works(self.mesh, [post(self.mesh, dist.irecv, header, src, group=self.group, tag=tag)], rec, True)
         ndim = int(header[0])
-        buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])])
+        buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])], device=self.mesh.device)
         wait_works(self.mesh, [post(self.mesh, dist.irecv, buf, src, group=self.group, tag=tag + 1)], rec, True)
         return buf
 
@@ -323,7 +323,7 @@ class PipelineRunner:
     def _sum_tied_grads(self) -> None:
         zero = self.smodel._zero
         for name, prm, numel, dtype in self.tied:  # every pp rank, in one order; zeros where absent
-            grad = zero.local_grad_view(prm) if prm is not None else torch.zeros(numel, dtype=dtype)
+            grad = zero.local_grad_view(prm) if prm is not None else torch.zeros(numel, dtype=dtype, device=self.mesh.device)
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
 
 
