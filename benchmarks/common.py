@@ -41,12 +41,13 @@ from typing import Any, Callable
 import torch
 
 from .report import print_table, summarize, write_outputs
+from .theory import zero_state_formula
 
 __all__ = [
     "train_step",
     "Settings", "SIZES", "Side", "CollectiveProbe", "add_common_args", "settings_from_args", "make_gpt", "batches",
     "time_pair", "measure_side", "storage_bytes", "torch_state_bytes", "saved_activation_bytes", "activation_bytes", "zero_state_formula",
-    "zero_comm_theory", "compare", "print_table", "write_outputs", "summarize", "worker_group", "run_benchmark",
+    "compare", "print_table", "write_outputs", "summarize", "worker_group", "run_benchmark",
 ]
 
 # GPT sizes: "tiny" for the smoke test, "small" for --quick, "10m" (10.8M parameters) for the real run.
@@ -350,28 +351,6 @@ def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list, m
     except Exception as exc:  # noqa: BLE001 - reported in the output
         out["memtracker_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out
-
-
-def zero_state_formula(stage: int, psi: int, n: int, itemsize: int = 4, k: int = 2) -> int:
-    """ZeRO's model-state bytes per rank (arXiv 1910.02054, section 5.1) for fp32 training:
-    parameters ``P = itemsize * psi``, gradients ``G = P``, optimizer ``O = k * P`` (AdamW: 2);
-    stage 0 keeps all, 1 divides O by N, 2 divides G + O, 3 divides everything."""
-    p = itemsize * psi
-    g, o = p, k * p
-    if stage == 0:
-        return p + g + o
-    if stage == 1:
-        return p + g + o // n
-    if stage == 2:
-        return p + (g + o) // n
-    return (p + g + o) // n
-
-
-def zero_comm_theory(stage: int, psi_bytes: int, n: int, kept_bytes: int = 0) -> float:
-    """Per-rank bytes per step (ZeRO, section 7): ``2 psi (N-1)/N`` for stages 0-2, ``3 psi (N-1)/N``
-    for stage 3; ``psi_bytes`` is the gradient/parameter payload in bytes. ``kept_bytes``: stage-3
-    chunks not resharded after forward (the tied embedding's), whose backward gather is saved."""
-    return float(Fraction(((3 if stage == 3 else 2) * psi_bytes - (kept_bytes if stage == 3 else 0)) * (n - 1), n))
 
 
 # ---------------------------------------------------------------------------------------------

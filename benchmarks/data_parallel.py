@@ -11,7 +11,12 @@ zero_stage 2    FSDP2 ``fully_shard(reshard_after_forward=False)`` per block+roo
 zero_stage 3    FSDP2 ``fully_shard`` per block + root (ZeRO-3)                     3Ψ(N-1)/N
 ==============  ==================================================================  =============
 
-Ψ is the padded trainable payload in bytes (padding: under ``N - 1`` elements per chunk).
+Ψ is the model's own parameter count (``GPT.num_params()``, the tied embedding once) times 4
+bytes (fp32, the dtype the benchmark trains and communicates in): ZeRO's formula (arXiv
+1910.02054 section 7), not the plan's cost model. Where the plan differs on purpose (chunks
+padded to a multiple of N elements; at stage 3 the chunk holding the tied embedding kept
+gathered from forward to backward, so its backward all-gather is not issued) the difference is
+its own column, "plan - paper", itemized in the row's ``theory.plan_minus_paper_items``.
 Model state per rank is compared with the plan and with ZeRO's formula (section 5.1; fp32,
 AdamW's two states: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N).
 
@@ -26,7 +31,8 @@ import argparse
 import torch
 
 from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
-    torch_state_bytes, zero_comm_theory, zero_state_formula
+    torch_state_bytes
+from .theory import theory_entry, zero_paper_bytes, zero_plan_differences, zero_state_formula
 
 CASES = ("zero0_vs_ddp", "zero1_vs_zero_redundancy", "zero2_vs_fsdp2_noreshard", "zero3_vs_fsdp2")
 
@@ -79,6 +85,25 @@ def torch_side(settings: Settings, kind: str, data) -> Side:
     return Side(label, train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
 
 
+def comm_theory(settings: Settings, mesh, stage: int, psi: int, itemsize: int, **options) -> dict:
+    """The row's theory: ZeRO's formula on the model's ``psi`` parameters of ``itemsize`` bytes
+    (:func:`~benchmarks.theory.zero_paper_bytes`), the plan's deliberate differences from it
+    (:func:`~benchmarks.theory.zero_plan_differences`), and the model-state formula."""
+    import shardlib
+
+    n = mesh.size("dp")
+    plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=stage, **options)
+    paper = zero_paper_bytes(stage, psi, n, itemsize)
+    passes = "3 passes (forward all-gather, backward all-gather, gradient reduce-scatter)" if stage == 3 else \
+        "a gradient all-reduce" if stage == 0 else "a gradient reduce-scatter + a parameter all-gather"
+    formula = (f"ZeRO (arXiv 1910.02054 s.7): {3 if stage == 3 else 2} psi (N-1)/N, {passes}; psi = {psi} parameters "
+               f"x {itemsize} bytes (fp32, the dtype communicated), N = {n}")
+    theory = theory_entry(paper, formula, zero_plan_differences(plan), sum(b for _, b in plan.comm_per_step().values()))
+    theory.update({"state_formula": zero_state_formula(stage, psi, n), "state_plan": plan.model_state_bytes,
+                   "params": psi, "chunks": len(plan.chunks)})
+    return theory
+
+
 def worker(settings: Settings, cases=CASES, chunk_size: int | None = None) -> list[dict]:
     import shardlib
 
@@ -87,27 +112,16 @@ def worker(settings: Settings, cases=CASES, chunk_size: int | None = None) -> li
     b = settings.batch
     data = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
             for x, y in batches(settings, b * n, settings.warmup + settings.steps + 4)]
-    psi = make_gpt(settings).num_params()
+    model = make_gpt(settings)
+    psi = model.num_params()  # the model's own parameters, the tied embedding once
+    # the benchmark trains in fp32 and ZeRO communicates in the parameters' dtype: 4 bytes an element
+    itemsize = next(model.parameters()).dtype.itemsize
     rows = []
     for case in cases:
         stage = int(case[4])
         baseline = case.split("_vs_")[1]
         options = {} if chunk_size is None else {"chunk_size": chunk_size}
-        probe_plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=stage, **options)
-        payload = sum(c.padded_numel * c.element_size for c in probe_plan.chunks if c.requires_grad)
-        kept = sum(c.padded_numel * c.element_size for c in probe_plan.chunks if not c.reshard_after_forward) if stage == 3 else 0
-        formula = f"{3 if stage == 3 else 2} * psi * (N-1)/N, psi = {payload} padded bytes ({psi} parameters)"
-        if kept:
-            formula += f"; less (N-1)/N * {kept} bytes: the tied embedding's chunk, kept gathered from forward to backward"
-        theory = {
-            "bytes_rank0": zero_comm_theory(stage, payload, n, kept),
-            "zero_paper_bytes": zero_comm_theory(stage, payload, n),
-            "bytes_formula": formula,
-            "state_formula": zero_state_formula(stage, psi, n),
-            "state_plan": probe_plan.model_state_bytes,
-            "params": psi,
-        }
-        theory["chunks"] = len(probe_plan.chunks)
+        theory = comm_theory(settings, mesh, stage, psi, itemsize, **options)
         rows.append(compare(case, lambda: shardlib_side(settings, mesh, stage, data, **options),
                             lambda: torch_side(settings, baseline, data), settings, theory,
                             make_floor=lambda: floor_side(settings, data)))

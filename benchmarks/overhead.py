@@ -15,7 +15,8 @@ import argparse
 import torch
 
 from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
-    torch_state_bytes, zero_state_formula
+    torch_state_bytes
+from .theory import theory_entry, zero_paper_bytes, zero_plan_differences, zero_state_formula
 
 CASES = ("shard_dp1_vs_plain",)
 
@@ -38,9 +39,10 @@ def worker(settings: Settings, cases=CASES, zero_stage: int = 3) -> list[dict]:
         return Side("plain PyTorch", train_step(model, opt, data), [model], [opt], lambda: torch_state_bytes(model, opt))
 
     psi = make_gpt(settings).num_params()
-    theory = {"bytes_rank0": 0.0, "bytes_formula": "one rank: nothing to communicate",
-              "state_formula": zero_state_formula(0, psi, 1), "params": psi,
-              "state_plan": shardlib.plan(make_gpt(settings), mesh, zero_stage=zero_stage).model_state_bytes}
+    plan = shardlib.plan(make_gpt(settings), mesh, zero_stage=zero_stage)
+    theory = theory_entry(zero_paper_bytes(zero_stage, psi, 1), "ZeRO's formula at N = 1: (N-1)/N = 0, nothing to communicate",
+                          zero_plan_differences(plan), sum(b for _, b in plan.comm_per_step().values()))
+    theory.update({"state_formula": zero_state_formula(0, psi, 1), "params": psi, "state_plan": plan.model_state_bytes})
     return [compare(cases[0], a, b, settings, theory)]
 
 

@@ -11,9 +11,14 @@ along the sequence: shardlib's ``sequence_parallel=True`` (entry at ``drop``, ex
 first block, ``SequenceParallel`` on ``ln_1``/``ln_2``/``ln_f``, ``PrepareModuleInput`` (Shard(1)
 -> Replicate) on ``attn``/``mlp``/``lm_head``, and ``RowwiseParallel(output_layouts=Shard(1))``.
 
-Theory: 4 all-reduces of ``(tokens, hidden)`` per layer per step, ``8 b s h (t-1)/t`` elements
-per rank per layer (with SP: 4 all-gathers + 4 reduce-scatters, the same volume), plus, with SP,
-the entry/exit collectives and the norm-gradient all-reduces the plan lists.
+Theory (the paper's formula on the model's shapes, not the plan's cost model): 4 all-reduces
+of ``(tokens, hidden)`` per layer per micro-batch, ``8 b s h (t-1)/t`` elements per rank per
+layer (with SP: 4 all-gathers + 4 reduce-scatters, the same volume); the embedding and the tied
+LM head are replicated here, so they add nothing (a split one would add Megatron's terms, see
+:func:`benchmarks.theory.megatron_paper_bytes`). With SP the plan also pays the region's entry
+(backward all-gather) and exit (forward all-gather, backward reduce-scatter) and the gradient
+sums of the replicated norm weights and row biases: the "plan - paper" column, itemized in
+``theory.plan_minus_paper_items``.
 
     python -m benchmarks.tensor_parallel --quick
 """
@@ -26,7 +31,8 @@ from fractions import Fraction
 import torch
 
 from .common import Settings, Side, train_step, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
-    torch_state_bytes, zero_state_formula
+    torch_state_bytes
+from .theory import megatron_paper_bytes, theory_entry, tp_plan_differences, zero_state_formula
 
 CASES = ("tp_vs_parallelize_module", "tp_sp_vs_parallelize_module_sp")
 
@@ -81,7 +87,9 @@ def torch_side(settings: Settings, sp: bool, data) -> Side:
 
 
 def theory(settings: Settings, mesh, sp: bool, tokens: int) -> dict:
-    """Plan prediction, Megatron's per-layer volume, and the model-state formula for one step."""
+    """Megatron's formula on the model's shapes (:func:`~benchmarks.theory.megatron_paper_bytes`),
+    the plan's deliberate differences from it (:func:`~benchmarks.theory.tp_plan_differences`),
+    and the model-state formula, for one step (one micro-batch of ``tokens`` tokens)."""
     import numpy as np
 
     import shardlib
@@ -94,15 +102,25 @@ def theory(settings: Settings, mesh, sp: bool, tokens: int) -> dict:
     plan = shardlib.plan(model, mesh, tp_specs("tp"), **options)
     t = mesh.size("tp")
     cfg = model.config
+    itemsize = next(model.parameters()).dtype.itemsize  # fp32 activations: 4 bytes an element
+    kinds = {layer.path: layer for layer in plan.tp_layers}
+    vocab_embedding = any(layer.kind == "vocab" for layer in kinds.values())
+    head = any(layer.kind == "column" and layer.output_layer for layer in kinds.values())
+    paper = megatron_paper_bytes(cfg.n_layer, tokens, cfg.n_embd, t, itemsize, vocab_embedding, head)
+    formula = (f"Megatron (arXiv 1909.08053 s.3): 4 all-reduces of b s h per layer per microbatch "
+               f"{'(SP, 2205.05198 s.4: 4 all-gathers + 4 reduce-scatters, the same bytes) ' if sp else ''}"
+               f"x {cfg.n_layer} layers; b s = {tokens} tokens, h = {cfg.n_embd}, t = {t}, {itemsize} bytes (fp32)"
+               + ("; + vocab-parallel embedding all-reduce" if vocab_embedding else "")
+               + ("; + head input all-reduce and fused loss (3 all-reduces of b s)" if head else
+                  "; embedding and LM head replicated (tp_specs): nothing for them"))
     predicted = plan.comm_per_step(tokens=tokens)
-    layer_bytes = sum((ring_bytes(c.kind, c.payload(tokens) * 4, t) for c in tensor_parallel_collectives(plan)
+    out = theory_entry(paper, formula, tp_plan_differences(plan, tokens), sum(b for _, b in predicted.values()))
+    # the plan's per-layer part against the paper's (equal by construction of both, checked exactly)
+    layer_bytes = sum((ring_bytes(c.kind, c.payload(tokens) * itemsize, t) for c in tensor_parallel_collectives(plan)
                        if c.layer.startswith("blocks.") and c.per_token), Fraction(0))
-    megatron = cfg.n_layer * 4 * ring_bytes("all_reduce", tokens * cfg.n_embd * 4, t)
+    megatron = megatron_paper_bytes(cfg.n_layer, tokens, cfg.n_embd, t, itemsize)
     psi_local = sum(int(np.prod(plan.local_shape(p))) for p in plan.params)
-    return {
-        "bytes_rank0": sum(b for _, b in predicted.values()),
-        "bytes_formula": "plan.comm_per_step(tokens): Megatron 4 all-reduces of (tokens, hidden) per layer"
-                         + (" as all-gather + reduce-scatter, + SP entry/exit and norm-gradient sums" if sp else ""),
+    out.update({
         "calls_plan": sum(c for c, _ in predicted.values()),
         "megatron_layers_bytes": float(megatron),
         "plan_layers_bytes": float(layer_bytes),
@@ -111,7 +129,8 @@ def theory(settings: Settings, mesh, sp: bool, tokens: int) -> dict:
         "state_plan": plan.model_state_bytes,
         "params_local": psi_local,
         "tokens": tokens,
-    }
+    })
+    return out
 
 
 def worker(settings: Settings, cases=CASES) -> list[dict]:

@@ -1,21 +1,127 @@
-"""Smoke test of the side-by-side benchmarks at a tiny size: the harness runs both sides, the
-JSON has its fields, counted bytes equal theory exactly, model state equals the plan and the ZeRO
-formula, and both sides see the same model and data (equal first losses). No timing is asserted."""
+"""The side-by-side benchmarks: their theory formulas against hand-computed values (tier 0), and
+a smoke run at a tiny size: the harness runs both sides, the JSON has its fields, counted bytes
+equal the paper's formula plus the plan's itemized differences exactly, model state equals the
+plan and the ZeRO formula, and both sides see the same model and data (equal first losses). No
+timing is asserted."""
 
 import json
 import math
+from fractions import Fraction
 
 import pytest
+import torch
 
+import shardlib
 from benchmarks import data_parallel, overhead, pipeline, tensor_parallel
-from benchmarks.common import SMOKE, Settings
-from benchmarks.report import summarize, write_outputs
+from benchmarks.common import FULL, SMOKE, Settings
+from benchmarks.report import print_table, summarize, write_outputs
 from benchmarks.run import targets
+from benchmarks.theory import megatron_paper_bytes, tp_plan_differences, zero_paper_bytes, zero_plan_differences
+from shardlib import P
+from shardlib.mesh import AbstractMesh
+from shardlib.models import GPT, GPTConfig, tp_specs
 from shardlib.testing import run_on
 
-pytestmark = pytest.mark.multiprocess
-
 SETTINGS = Settings(**SMOKE)
+
+# The smoke GPT (SIZES["tiny"]): 2 layers, width 32, block 16, vocabulary 256, tied head; its
+# parameters counted by hand: wte 256*32 + wpe 16*32 + ln_f 2*32, and per block two LayerNorms
+# (2*32 each), q/k/v/o (32*32 + 32 each), fc_in (32*128 + 128) and fc_out (128*32 + 32).
+BLOCK = 2 * 64 + 4 * (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+PSI = 256 * 32 + 16 * 32 + 64 + 2 * BLOCK  # 34176
+TOKENS = SETTINGS.batch * SETTINGS.seq  # 32: one micro-batch on a tensor rank
+
+
+def _tiny(**config):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, **config))
+
+
+def _plan_bytes(plan, **kw):
+    return sum(b for _, b in plan.comm_per_step(**kw).values())
+
+
+def test_zero_paper_formula_by_hand():
+    """Regression (issue 15): ZeRO's section-7 figures on the model's own parameter count."""
+    assert _tiny().num_params() == PSI == 34176
+    # N = 2, fp32: 2 psi (N-1)/N at stages 0-2 (stage 1/2: reduce-scatter + all-gather), 3 psi (N-1)/N at 3
+    assert zero_paper_bytes(0, PSI, 2) == zero_paper_bytes(1, PSI, 2) == zero_paper_bytes(2, PSI, 2) == 136704
+    assert zero_paper_bytes(3, PSI, 2) == 205056
+    # N = 4, bf16 gathers, fp32 reduce-scatter: 2 * PSI * 2 * 3/4 + PSI * 4 * 3/4
+    assert zero_paper_bytes(3, PSI, 4, gather_itemsize=2, reduce_itemsize=4) == 102528 + 102528
+    assert zero_paper_bytes(1, PSI, 4, gather_itemsize=2, reduce_itemsize=4) == 51264 + 102528
+    assert zero_paper_bytes(2, PSI, 1) == 0
+    with pytest.raises(ValueError, match="stage must be 0-3, got 4"):
+        zero_paper_bytes(4, PSI, 2)
+
+
+def test_zero_plan_differences_padding_and_kept_chunk():
+    """The plan's deliberate differences from the paper, by hand: on 5 ranks the one chunk of
+    34176 elements is padded by 4 (34180 = 5 * 6836); at stage 3 it holds the tied embedding
+    and stays gathered from forward to backward (no backward all-gather). Paper + items equals
+    the plan's own cost model (:mod:`shardlib.cost`, another code path)."""
+    mesh = AbstractMesh({"dp": 5})
+    for stage in range(4):
+        plan = shardlib.plan(_tiny(), mesh, zero_stage=stage)
+        items = dict(zero_plan_differences(plan))
+        pad = next(b for why, b in items.items() if why.startswith("padding"))
+        # 4 padded elements x 4 bytes x (N-1)/N per pass: stage 0 all-reduce (2 passes), 1-2 RS + AG,
+        # 3: one gather (kept) + RS
+        assert pad == Fraction(4 * 4 * 2 * 4, 5)
+        kept = [b for why, b in items.items() if why.startswith("kept gathered")]
+        assert kept == ([-Fraction(PSI * 4 * 4, 5)] if stage == 3 else [])
+        assert float(zero_paper_bytes(stage, PSI, 5) + sum(items.values())) == pytest.approx(_plan_bytes(plan), rel=1e-12)
+
+
+def test_zero3_at_10m_counts_0872_of_the_paper():
+    """The issue's figure: at 10.8M parameters the plan's ZeRO-3 bytes are 0.872 of 3 psi. The
+    kept chunk, by hand (chunks of 4 Mi elements, filled in parameter order): wte, wpe, blocks 0-1,
+    and of block 2 its ln_1 and q/k/v."""
+    cfg = Settings(**FULL).gpt_config()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    c = cfg.n_embd  # 384
+    block = 2 * 2 * c + 4 * (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c)
+    psi = 256 * c + cfg.block_size * c + 2 * c + cfg.n_layer * block
+    kept = 256 * c + cfg.block_size * c + 2 * block + 2 * c + 3 * (c * c + c)
+    assert (model.num_params(), kept) == (psi, 4140672) == (10795008, 4140672)
+    plan = shardlib.plan(model, AbstractMesh({"dp": 2}), zero_stage=3)
+    assert zero_plan_differences(plan) == [(zero_plan_differences(plan)[0][0], -Fraction(kept * 4, 2))]
+    ratio = (zero_paper_bytes(3, psi, 2) - Fraction(kept * 4, 2)) / zero_paper_bytes(3, psi, 2)
+    assert round(float(ratio), 3) == 0.872 and float(ratio) == pytest.approx(_plan_bytes(plan) / (3 * psi * 4 / 2))
+
+
+def test_megatron_paper_formula_by_hand():
+    """Megatron's 4 all-reduces of (b s, h) per layer per micro-batch, b s = 32, h = 32, fp32:
+    an all-reduce of 32*32*4 = 4096 bytes costs 2 * 4096 * (t-1)/t per rank."""
+    assert megatron_paper_bytes(2, 32, 32, 2) == 2 * 4 * 4096
+    assert megatron_paper_bytes(2, 32, 32, 4) == 2 * 4 * 6144
+    # + the vocab-parallel embedding's forward all-reduce, the head input's backward all-reduce and
+    # the fused loss's three all-reduces of b s fp32 values (2 * 32 * 4 * 1/2 = 128 bytes each)
+    assert megatron_paper_bytes(2, 32, 32, 2, vocab_parallel_embedding=True, parallel_head=True) == 32768 + 4096 + 4096 + 384
+    assert megatron_paper_bytes(2, 32, 32, 1) == 0
+
+
+def test_tp_plan_differences_by_hand():
+    """Sequence parallelism's region ends and gradient sums, and a split head's logits gather,
+    by hand (b s = 32, h = 32, t = 2, fp32); paper + items equals the plan's own cost model."""
+    mesh = AbstractMesh({"tp": 2})
+    plan = shardlib.plan(_tiny(), mesh, tp_specs("tp"))
+    assert tp_plan_differences(plan, TOKENS) == []
+    assert float(megatron_paper_bytes(2, TOKENS, 32, 2)) == _plan_bytes(plan, tokens=TOKENS) == 32768
+    plan = shardlib.plan(_tiny(), mesh, tp_specs("tp"), sequence_parallel=True, sp_exit="ln_f")
+    items = [b for _, b in tp_plan_differences(plan, TOKENS)]
+    # entry: backward all-gather of 32*32*4 bytes x 1/2; exit: its forward all-gather (its backward slices
+    # the replicated gradient); gradient sums of 14 tensors of 32 (ln_1, ln_2 weight and bias, o_proj and
+    # fc_out biases per block; ln_f's two). The counted bytes of a real run equal paper + these
+    # (test_tensor_parallel_smoke).
+    assert items == [2048, 2048, 14 * 32 * 4 * 2 // 2]
+    specs = dict(tp_specs("tp"), **{"wte.weight": P("tp", None)})  # vocab-parallel embedding, tied split head
+    plan = shardlib.plan(_tiny(), mesh, specs)
+    (why, logits), = tp_plan_differences(plan, TOKENS)
+    assert "lm_head" in why and logits == 32 * 256 * 4 // 2 - 3 * 128  # gathered logits instead of the fused loss
+    paper = megatron_paper_bytes(2, TOKENS, 32, 2, vocab_parallel_embedding=True, parallel_head=True)
+    assert float(paper + logits) == _plan_bytes(plan, tokens=TOKENS)
 
 
 def _check_rows(rows, tmp_path, name):
@@ -31,8 +137,13 @@ def _check_rows(rows, tmp_path, name):
         theory = row["theory"]
         per_rank = theory.get("bytes_per_rank", [theory["bytes_rank0"]] * len(row["a"]["ranks"]))
         for rank, r in enumerate(row["a"]["ranks"]):
-            assert r["comm"]["bytes"] == per_rank[rank], (row["name"], rank, r["comm"], theory)
+            # counted == the paper's formula + the plan's itemized differences, exactly
+            expected = Fraction(theory["expected_exact"]) if "expected_exact" in theory else Fraction(per_rank[rank])
+            assert Fraction(r["comm"]["exact_bytes"]) == expected, (row["name"], rank, r["comm"], theory)
         s = summarize(row)
+        assert s["counted_matches_account"] and s["paper_bytes"] == theory["bytes_rank0"]
+        if "expected_exact" in theory:
+            assert s["plan_minus_paper"] == theory["plan_minus_paper"]
         assert s["a_state"] == theory["state_plan"]
         assert abs(s["state_over_formula"] - 1) <= 0.02, s
         assert s["a_act"] and s["b_act"]
@@ -46,9 +157,25 @@ def _check_rows(rows, tmp_path, name):
     assert (tmp_path / f"{name}_time.png").stat().st_size > 0 and (tmp_path / f"{name}_bytes.png").stat().st_size > 0
 
 
+def _columns(rows):
+    text = print_table(rows)
+    assert all(col in text.splitlines()[0] for col in ("paper MB", "pl-pap MB", "b/pap"))
+    return text
+
+
+@pytest.mark.multiprocess
 def test_data_parallel_smoke(tmp_path):
     rows = run_on(2, data_parallel.worker, SETTINGS, cases=("zero0_vs_ddp", "zero3_vs_fsdp2"))[0]
     _check_rows(rows, tmp_path, "data_parallel")
+    # the theory column is ZeRO's formula on the model's own 34176 fp32 parameters (N = 2), not the plan's
+    zero0, zero3 = summarize(rows[0]), summarize(rows[1])
+    assert (zero0["paper_bytes"], zero0["plan_minus_paper"], zero0["bytes_over_paper"]) == (2 * PSI * 4 / 2, 0, 1.0)
+    # regression (issue 15): the chunk kept gathered forward->backward (the one chunk here) is its own
+    # column, and counted / paper shows it: 2 of the 3 passes
+    assert zero3["paper_bytes"] == 3 * PSI * 4 / 2 and zero3["plan_minus_paper"] == -PSI * 4 / 2
+    assert zero3["bytes_over_paper"] == pytest.approx(2 / 3, rel=1e-12)
+    assert "plan - paper -0.065 MB: kept gathered forward->backward" in _columns(rows)
+    assert all(r["theory"]["unexplained_bytes"] == 0 for r in rows)  # the plan's cost model agrees with the account
     zero3 = rows[1]
     calls = zero3["a"]["ranks"][0]["comm"]["table"]
     assert set(calls) == {"dp/all_gather", "dp/reduce_scatter"}
@@ -57,13 +184,27 @@ def test_data_parallel_smoke(tmp_path):
     assert all(t["met"] for t in targets(rows) if "bytes" in t["target"] or "state" in t["target"])
 
 
+@pytest.mark.multiprocess
 def test_tensor_parallel_smoke(tmp_path):
-    rows = run_on(2, tensor_parallel.worker, SETTINGS, cases=("tp_vs_parallelize_module",))[0]
+    rows = run_on(2, tensor_parallel.worker, SETTINGS)[0]
     _check_rows(rows, tmp_path, "tensor_parallel")
     th = rows[0]["theory"]
     assert th["plan_layers_equal_megatron"] and th["plan_layers_bytes"] == th["megatron_layers_bytes"] == th["bytes_rank0"]
+    # Megatron's 4 all-reduces of (32 tokens, 32) fp32 per layer, 2 layers, t = 2: 2 * 4 * 4096 bytes
+    tp, sp = summarize(rows[0]), summarize(rows[1])
+    assert (tp["paper_bytes"], tp["plan_minus_paper"], tp["bytes_over_paper"]) == (32768, 0, 1.0)
+    # regression (issue 15): with SP the theory stays the paper's (the same bytes), and the region's
+    # ends and gradient sums are the plan's own, itemized column: 2048 + 2048 + 1792 bytes
+    assert (sp["paper_bytes"], sp["plan_minus_paper"]) == (32768, 2048 + 2048 + 1792)
+    assert sp["bytes_over_paper"] == (32768 + 5888) / 32768
+    assert [why.split(":")[0] for why, _ in sp["plan_minus_paper_items"]] == [
+        "SP entry at 'drop'", "SP exit at 'ln_f' (replicated head)",
+        "SP gradient sums of 14 replicated norm/bias tensors (448 elements), one all-reduce each"]
+    assert rows[0]["theory"]["unexplained_bytes"] == 0
+    _columns(rows)
 
 
+@pytest.mark.multiprocess
 def test_pipeline_and_overhead_smoke(tmp_path):
     rows = run_on(2, pipeline.worker, SETTINGS, cases=("1f1b_vs_Schedule1F1B",))[0]
     _check_rows(rows, tmp_path, "pipeline")
