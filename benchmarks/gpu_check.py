@@ -215,14 +215,13 @@ def check_training(mesh, device: torch.device, cfg, batch: int, steps: int = 3, 
             f"{steps} steps; loss rel {loss_err:.1e}, weights rel {weight_err:.1e}; loss {losses[0]:.4f}->{losses[-1]:.4f}")
 
 
-def check_pipeline_pp1(device: torch.device, cfg, batch: int) -> tuple:
-    """A pipeline schedule on ``{"pp": 1}``: run it against the plain model where ``shard``
-    allows it, else a SKIP row with shard's refusal."""
+def check_pipeline_pp1(mesh, device: torch.device, cfg, batch: int) -> tuple:
+    """A pipeline schedule on the mesh ``{"pp": 1}``: run it against the plain model where
+    ``shard`` allows it, else a SKIP row with shard's refusal."""
     import torch.nn.functional as F
 
     import shardlib
 
-    mesh = init_single_rank({"pp": 1})
     try:
         smodel = shardlib.shard(gpt(cfg, device), mesh, schedule="1f1b", microbatches=2)
     except shardlib.ShardingError as exc:
@@ -330,8 +329,15 @@ def run_checks(device: torch.device, tiny: bool, only: tuple = ("nccl", "train",
     meshes: dict = {}
 
     def mesh(shape=("dp",)):
+        """The one-rank mesh of ``shape``, made once; a failed first ``init_mesh`` (the NCCL
+        rendezvous) is raised again by every check that needs it, not retried."""
         if shape not in meshes:
-            meshes[shape] = init_single_rank({a: 1 for a in shape})
+            try:
+                meshes[shape] = init_single_rank({a: 1 for a in shape})
+            except Exception as exc:  # noqa: BLE001 - each check's row shows it
+                meshes[shape] = exc
+        if isinstance(meshes[shape], Exception):
+            raise RuntimeError(f"init_mesh({ {a: 1 for a in shape} }) failed: {meshes[shape]}") from meshes[shape]
         return meshes[shape]
 
     cfg = gpt_config("tiny" if tiny else "check")
@@ -348,7 +354,7 @@ def run_checks(device: torch.device, tiny: bool, only: tuple = ("nccl", "train",
             options = dict(sequence_parallel=True, sp_exit="ln_f") if sp else {}
             run_check(rows, "train", f"shard tp=1 tp_specs{' + SP' if sp else ''}, fp32",
                       lambda: check_training(mesh(("tp",)), device, cfg, batch, specs=tp_specs("tp"), **options))
-        run_check(rows, "train", "pipeline 1f1b at pp=1", lambda: check_pipeline_pp1(device, cfg, batch))
+        run_check(rows, "train", "pipeline 1f1b at pp=1", lambda: check_pipeline_pp1(mesh(("pp",)), device, cfg, batch))
     if "kernels" in only:
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
             run_check(rows, "kernels", f"Triton vs torch reference, {name}", lambda: check_kernels(dtype, device, tiny))

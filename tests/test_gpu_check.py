@@ -60,6 +60,21 @@ def test_a_failing_check_is_a_row_and_the_others_still_run():
     assert [line[start:] for line in table[2:]] == ["FAIL", "SKIP", "PASS", "MISS"]  # one aligned column
 
 
+def test_a_failed_init_fails_each_check_once_without_retrying(monkeypatch):
+    """A failed NCCL rendezvous is one FAIL row per check that needs the mesh, not one 120 s
+    init attempt per check (which would run past the 8-minute budget)."""
+    calls = []
+
+    def broken(shape=None):
+        calls.append(shape)
+        raise RuntimeError("rendezvous timed out")
+
+    monkeypatch.setattr(gpu_check, "init_single_rank", broken)
+    rows = gpu_check.run_checks(torch.device("cpu"), tiny=True, only=("nccl", "offload"))
+    assert [(r.check, r.status) for r in rows] == [("nccl", "FAIL"), ("offload", "FAIL")]
+    assert all("init_mesh({'dp': 1}) failed: rendezvous timed out" in r.result for r in rows) and calls == [{"dp": 1}]
+
+
 def _cpu_checks():
     # in a pool worker: gloo, one rank, SHARDLIB_CHECK_COLLECTIVES=1 from conftest
     return gpu_check.run_checks(torch.device("cpu"), tiny=True, only=("nccl", "train", "offload", "throughput"),
