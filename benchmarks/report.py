@@ -45,7 +45,9 @@ def summarize(row: dict) -> dict:
     if out.get("a_bytes") is not None and out["paper_bytes"] is not None:
         out["bytes_over_paper"] = out["a_bytes"] / out["paper_bytes"] if out["paper_bytes"] else float(out["a_bytes"] == 0)
         out["counted_matches_account"] = _counted_matches(ranks[0]["comm"], th)
-        if th.get("plan_bytes") is not None:  # the plan's own cost model (plan.comm_per_step), a float sum
+        # the plan's own cost model (plan.comm_per_step): cost.py sums floats, under 100 terms here, so
+        # its relative rounding error is below 100 * 2**-53 ~ 1e-14; 1e-12 leaves room and no more
+        if th.get("plan_bytes") is not None:
             out["counted_matches_plan"] = abs(out["a_bytes"] - th["plan_bytes"]) <= 1e-12 * max(1.0, th["plan_bytes"])
     if ranks and "state_bytes" in ranks[0]:
         out["a_state"] = ranks[0]["state_bytes"]["total"]
