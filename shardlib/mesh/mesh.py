@@ -161,6 +161,37 @@ class AbstractMesh:
             index = index * self._shape[name] + coords[name]
         return index
 
+    def group_axes(self, axis: Axis) -> tuple[str, ...]:
+        """The axes of ``axis`` in mesh order: the names its process group is known by.
+
+        ``torch.distributed.new_group`` sorts the ranks it is given, so the place of a rank in
+        the group of several axes (its *group rank*, which sets where ``all_gather_into_tensor``
+        and ``reduce_scatter_tensor`` put its data) is its linear index over the axes in mesh
+        order, whatever order they are named in: ``("fsdp", "dp")`` and ``("dp", "fsdp")`` are
+        one group, with one rank order.
+
+        Example:
+            >>> AbstractMesh({"dp": 2, "fsdp": 2}).group_axes(("fsdp", "dp"))
+            ('dp', 'fsdp')
+        """
+        names = self._axes(axis)
+        if len(names) < 2:
+            return names
+        return tuple(n for n in self._shape if n in names)
+
+    def group_index(self, axis: Axis) -> int:
+        """This rank's rank in the process group of ``axis``: :meth:`index` over
+        :meth:`group_axes`, the slot it owns in every flat buffer a collective over ``axis``
+        fills (:func:`~shardlib.mesh.raw.raw_all_gather`, ZeRO's shards). Equal to
+        :meth:`index` for a single axis or axes named in mesh order.
+
+        Example:
+            >>> m = AbstractMesh({"dp": 2, "fsdp": 2}, rank=1)  # dp 0, fsdp 1
+            >>> m.index(("fsdp", "dp")), m.group_index(("fsdp", "dp"))
+            (2, 1)
+        """
+        return self.index(self.group_axes(axis))
+
     def axis_ranks(self, axis: Axis, rank: int | None = None) -> list[int]:
         """Global ranks in ``rank``'s group along ``axis``, ordered by their index along it."""
         names = self._axes(axis)
@@ -219,7 +250,7 @@ class Mesh(AbstractMesh):
         native: whether flat-buffer all-gathers and reduce-scatters use torch's
             ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (True on NCCL and the fake
             group) or direct point-to-point exchanges (gloo, where they are faster:
-            :mod:`.collectives`). ``SHARDLIB_NATIVE_COLLECTIVES=1`` forces the native calls on
+            :mod:`.raw`). ``SHARDLIB_NATIVE_COLLECTIVES=1`` forces the native calls on
             gloo, so the CPU tests run the NCCL branch too.
 
     Raises:
@@ -268,15 +299,16 @@ class Mesh(AbstractMesh):
         """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
 
         ``channel`` > 0 gives another group over the same ranks: collectives on different
-        channels are ordered independently (ZeRO reduces gradients on channel 1 while parameters
-        are gathered on channel 0, so the two streams cannot pair up across ranks).
+        channels are ordered independently (ZeRO reduces gradients on channel 1 while
+        parameters are gathered on channel 0, so the two streams cannot pair up across ranks).
         Groups for tuples of axes and other channels are created on first use: every rank must
         ask for them in the same order (true of SPMD code), as ``torch.distributed.new_group``
-        requires.
+        requires. A tuple of axes names one group whatever their order (:meth:`group_axes`);
+        this rank's rank in it is :meth:`group_index`.
         """
         import torch.distributed as dist
 
-        names = self._axes(axis)
+        names = self.group_axes(axis)
         key_names = names if channel == 0 else names + (f"#{channel}",)
         if key_names not in self._groups:
             if not dist.is_initialized():

@@ -69,7 +69,8 @@ class ZeroRuntime(ParameterGathering):
         self.stage = plan.effective_stage
         self.axes = plan.data_axes
         self.n = plan.data_size
-        index = mesh.index(self.axes) if self.axes else 0
+        # the shard a rank owns is its slot in the collectives' flat buffers: its group rank
+        index = mesh.group_index(self.axes) if self.axes else 0
         by_name = dict(model.named_parameters())
         members: list[list] = [[] for _ in plan.chunks]
         self.param_chunk: dict[int, Chunk] = {}
