@@ -299,7 +299,7 @@ class Mesh(AbstractMesh):
         """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
 
         ``channel`` > 0 gives another group over the same ranks: collectives on different
-        channels are ordered independently (ZeRO reduces gradients on channel 1 while
+        channels are ordered independently (ZeRO-3 reduces gradients on channel 1 while
         parameters are gathered on channel 0, so the two streams cannot pair up across ranks).
         Groups for tuples of axes and other channels are created on first use: every rank must
         ask for them in the same order (true of SPMD code), as ``torch.distributed.new_group``

@@ -45,9 +45,11 @@ from .gather import ParameterGathering
 
 __all__ = ["ZeroRuntime"]
 
-# Gradient reductions run on their own process group (channel): launched in a fixed order, they
-# never interleave with parameter gathers, whose timing follows the data (a module that runs on
-# one rank only), so the two streams cannot pair up differently on different ranks.
+# Under stage 3, gradient reductions run on their own process group (channel 1): launched in a
+# fixed order, they never interleave with the parameter gathers of backward, whose timing follows
+# the data (a module that runs on one rank only), so the two streams cannot pair up differently on
+# different ranks. Stages 0-2 gather nothing during backward: their reductions, in the same fixed
+# order on every rank, share channel 0 (one communicator per data-axis group, not two).
 _REDUCE = 1
 
 
@@ -79,8 +81,9 @@ class ZeroRuntime(ParameterGathering):
             members[c].append((by_name[pp.name], off))
         self.sync = True
         self.unsynced = False  # the last backward ran inside no_sync()
+        self.reduce_channel = _REDUCE if self.stage == 3 else 0
         if self.n > 1:
-            mesh.group(self.axes, _REDUCE)  # created now, collectively, on every rank
+            mesh.group(self.axes, self.reduce_channel)  # created now, collectively, on every rank
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
             for ms in members if lazy is None else ():  # lazy init is the same on every rank by construction
@@ -227,10 +230,10 @@ class ZeroRuntime(ParameterGathering):
         if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
             if self.stage == 0:
                 chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
-                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
+                                                     channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
             else:
                 chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes,
-                                                         async_op=True, op="avg", channel=_REDUCE,
+                                                         async_op=True, op="avg", channel=self.reduce_channel,
                                                          note=f"chunk {chunk.index} gradients")
             return
         # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
@@ -238,12 +241,12 @@ class ZeroRuntime(ParameterGathering):
         direct = chunk.shard_stale and chunk.grad_shard.dtype == chunk.grad_full.dtype
         if self.stage == 0:
             out = chunk.grad_full
-            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True, channel=_REDUCE,
-                                                 note=f"chunk {chunk.index} gradients")
+            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True,
+                                                 channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         else:
             out = chunk.grad_shard if direct else torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
             chunk.reduce_handle = raw_reduce_scatter(out, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
-                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
+                                                     channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         chunk.reduce_tmp = None if out is chunk.grad_shard else out
 
     def _finish_reduce(self, chunk: Chunk) -> None:
