@@ -1,15 +1,135 @@
-"""The NCCL-relevant choices of the communication layer, run on CPU (issue 15, item 5a).
+"""The NCCL-only branches of the communication layer, run on CPU (issue 15, items 3 and 5a).
 
-ZeRO makes its second communicator over the data axes only where gathers run during backward
-(stage 3). The data-dependent ZeRO-3 backward that needs it is tests/test_zero_datadep.py (and
-its native-branch run in tests/test_native_collectives.py).
+Waits on a non-gloo backend only order streams (no timeout argument, no shardlib watchdog);
+init_mesh makes torch's own NCCL bound explicit (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); ZeRO
+makes its second communicator only where gathers run during backward (stage 3).
+
+The bounded exit on gloo is shown by the fault tests that stall, freeze or kill a rank
+(tests/test_faults.py: test_only_rank0_calls_a_collective, test_frozen_rank_is_named,
+test_killed_rank_is_named_gone, test_zero3_evaluation_on_rank0_only_default_mode); the
+data-dependent ZeRO-3 backward is tests/test_zero_datadep.py (and its native-branch run in
+tests/test_native_collectives.py).
 """
+
+import datetime
+import os
 
 import pytest
 import torch
 
 import shardlib
+from shardlib.mesh.guard import Handle, wait_works
+from shardlib.mesh.mesh import nccl_environment
 from shardlib.testing import TiedLM, run_on
+
+
+# -- waits --------------------------------------------------------------------------------------
+class _Work:
+    """A torch ``Work`` stand-in that records how it was waited on."""
+
+    def __init__(self):
+        self.waits = []
+
+    def wait(self, *args, **kwargs):
+        self.waits.append((args, kwargs))
+        return True
+
+
+class _Watchdog:
+    def __init__(self, allowed: bool):
+        self.allowed, self.calls = allowed, []
+
+    def wait(self, works, rec, timeout, p2p):
+        if not self.allowed:
+            raise AssertionError("a wait on NCCL entered shardlib's watchdog (a host-blocking, timed wait)")
+        self.calls.append((list(works), rec, timeout, p2p))
+        for w in works:
+            w.wait(timeout)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    mesh = shardlib.init_mesh({"dp": 1})
+    saved = (mesh.backend, mesh.watchdog)
+    yield mesh
+    mesh.backend, mesh.watchdog = saved
+
+
+def test_nccl_waits_order_streams_without_a_timeout_or_the_watchdog(one_rank_mesh):
+    """On NCCL, ``Work.wait(timeout)`` blocks the host until the collective ends; a plain
+    ``wait()`` makes the current stream wait. Both ways in (wait_works and a Handle, async or
+    not) call ``wait()`` with no argument and never enter shardlib's watchdog."""
+    mesh = one_rank_mesh
+    mesh.backend, mesh.watchdog = "nccl", _Watchdog(allowed=False)
+    works = [_Work(), _Work()]
+    wait_works(mesh, works, None, False)
+    assert [w.waits for w in works] == [[((), {})], [((), {})]]
+    ran = []
+    work = _Work()
+    handle = Handle([work], lambda: ran.append("then"), mesh, None, p2p=True)
+    assert work.waits == [] and not handle.done  # posted, not waited
+    handle.wait()
+    handle.wait()  # a second wait does nothing
+    assert work.waits == [((), {})] and ran == ["then"] and handle.done
+
+
+def test_gloo_waits_stay_bounded_by_the_mesh_timeout(one_rank_mesh):
+    """On gloo every wait goes through the watchdog with the mesh's timeout (or, in a world
+    without one, ``Work.wait(timeout)``): the bounded exit the fault tests exercise."""
+    mesh = one_rank_mesh
+    dog = _Watchdog(allowed=True)
+    mesh.backend, mesh.watchdog = "gloo", dog
+    work = _Work()
+    wait_works(mesh, [work], "rec", True)
+    assert dog.calls == [([work], "rec", mesh.timeout, True)] and work.waits == [((mesh.timeout,), {})]
+    mesh.watchdog = None
+    work = _Work()
+    Handle([work], None, mesh, None).wait()
+    assert work.waits == [((mesh.timeout,), {})] and isinstance(mesh.timeout, datetime.timedelta)
+
+
+# -- torch's NCCL error handling -------------------------------------------------------------------
+def test_nccl_environment_sets_torchs_bounded_exit_unless_the_user_chose():
+    env = {}
+    assert nccl_environment(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"} and env == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    for name, value in [("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("NCCL_ASYNC_ERROR_HANDLING", "2")]:
+        env = {name: value}  # torchrun sets 1; the old name still counts
+        assert nccl_environment(env) == {} and env == {name: value}
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    with pytest.warns(UserWarning, match=r"TORCH_NCCL_ASYNC_ERROR_HANDLING=0 turns off torch's NCCL error handling: a "
+                                         r"collective that outlives the process group's timeout is only logged, and the "
+                                         r"job hangs instead of ending\. Fix: unset it \(shardlib then sets 3"):
+        assert nccl_environment(env) == {}
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_init_mesh_sets_it_before_making_the_nccl_group(monkeypatch):
+    """init_mesh under torchrun with CUDA: the variable is in the environment when
+    ``init_process_group("nccl")`` runs (ProcessGroupNCCL reads it at construction)."""
+    import torch.distributed as dist
+
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(backend=backend, value=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), timeout=kwargs["timeout"])
+        raise _Stop
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    for name, value in {"WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "LOCAL_RANK": "0", "RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
+    with pytest.raises(_Stop):
+        shardlib.init_mesh({"dp": 2}, timeout=30)
+    assert seen == {"backend": "nccl", "value": "3", "timeout": datetime.timedelta(seconds=30), "device": 0}
 
 
 # -- ZeRO's second communicator: stage 3 only -------------------------------------------------------
