@@ -2,7 +2,9 @@
 
 Waits on a non-gloo backend only order streams (no timeout argument, no shardlib watchdog);
 init_mesh makes torch's own NCCL bound explicit (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); ZeRO
-makes its second communicator only where gathers run during backward (stage 3).
+makes its second communicator only where gathers run during backward (stage 3); every tensor
+ZeRO hands to torch.distributed is on ``mesh.device`` (a dry run on meta in check mode, and a
+model elsewhere refused before any collective).
 
 The bounded exit on gloo is shown by the fault tests that stall, freeze or kill a rank
 (tests/test_faults.py: test_only_rank0_calls_a_collective, test_frozen_rank_is_named,
@@ -12,7 +14,10 @@ tests/test_native_collectives.py).
 """
 
 import datetime
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -160,3 +165,85 @@ def test_second_data_communicator_only_at_stage_3():
         for stage in range(4):
             assert mesh_groups[stage] == ([("dp",), ("dp", "#1")] if stage == 3 else [("dp",)]), stage
             assert reduce_groups[stage] == (["dp#1[0,1]"] if stage == 3 else ["dp[0,1]"]), stage
+
+
+# -- devices ------------------------------------------------------------------------------------------
+def _off_device_worker():
+    from shardlib.errors import ShardingError
+
+    mesh = shardlib.init_mesh({"dp": 2})
+    mesh.device = torch.device("meta")  # stands in for an NCCL mesh's cuda:0, the model being on the CPU
+    start = mesh.trace.seq
+    with pytest.raises(ShardingError, match=r"parameter 'wte.weight' of TiedLM \(shape \(37, 10\)\) is on cpu, but the "
+                                            r"mesh \{'dp': 2\} communicates on meta \(backend gloo\), where ZeRO over dp "
+                                            r"broadcasts and reduces it\. Fix: move the model there first "
+                                            r"\(model.to\('meta'\)\), or build it on meta"):
+        shardlib.shard(TiedLM(), mesh, zero_stage=2)
+    return mesh.trace.seq - start
+
+
+@pytest.mark.multiprocess
+def test_a_model_off_the_mesh_device_is_refused_before_any_collective():
+    """Regression: a CPU model on an NCCL mesh reached ZeRO's first broadcast (NCCL rejects CPU
+    tensors; check mode raised CollectiveDeviceError there). Now every rank refuses it first,
+    naming the tensor, both devices and the fix, with no collective issued."""
+    assert run_on(2, _off_device_worker) == [0, 0]
+
+
+DRY_CASES = [(stage, axes) for stage in range(4) for axes in (("dp", "fsdp"), ("fsdp", "dp"))]
+
+
+def _dry_runs() -> list:
+    """ZeRO 0-3 over two data axes in both orders, as rank 2 (dp 1, fsdp 0) of a fake world of
+    4, with clipping: one step on meta in check mode (a CPU tensor handed to a collective
+    raises CollectiveDeviceError). Run in a fresh interpreter (this file as a script)."""
+    import torch.distributed as dist
+
+    from shardlib.dryrun import build_meta_model, fake_world
+    from shardlib.lazy import materialize_on
+    from shardlib.models import GPTConfig
+
+    out = []
+    for stage, axes in DRY_CASES:
+        with fake_world(4, 2):
+            mesh = shardlib.init_mesh({"dp": 2, "fsdp": 2})
+            mesh.device = torch.device("meta")
+            with materialize_on("meta"):
+                smodel = shardlib.shard(build_meta_model(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2,
+                                                                   n_embd=16)), mesh, zero_stage=stage, data_axes=axes)
+            opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-4, max_grad_norm=1.0)
+            x = torch.zeros(2, 8, dtype=torch.long, device="meta")
+            smodel(x, x)[1].backward()
+            opt.step()
+            zero = smodel._zero
+            out.append({"native": mesh.native, "check": mesh.trace.check, "norm_device": str(opt.last_grad_norm.device),
+                        "torch_group_rank": dist.get_group_rank(mesh.group(axes), 2),
+                        "slots": [(c.slot.start, c.plan.shard_numel) for c in zero.chunks],
+                        "comm": {f"{a}/{k}": v[0] for (a, k), v in mesh.comm.table().items()}})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_zero_dry_run_on_two_data_axes_hands_collectives_only_meta_tensors(tmp_path):
+    """Device discipline on ZeRO's path that tests/test_dryrun.py does not cover: stages 0 and
+    2, the optimizer step with clipping (the norm's all-reduce), two data axes in both orders.
+    Every tensor handed to a collective is on meta (check mode); each chunk's shard is torch's
+    group rank's slot (the fake group runs the native branch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDLIB_CHECK_COLLECTIVES": "1"}
+    proc = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", __file__], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (stage, axes), res in zip(DRY_CASES, results):
+        assert res["native"] and res["check"] and res["norm_device"] == "meta", (stage, axes, res)
+        assert res["torch_group_rank"] == 2  # dp 1, fsdp 0: the third of the sorted ranks [0, 1, 2, 3]
+        for start, shard in res["slots"]:
+            assert start == 2 * shard, (stage, axes, res["slots"])
+        key = "+".join(axes)
+        assert res["comm"][f"{key}/all_reduce"] >= 1  # the norm (stages 1-3) or the gradients (stage 0)
+        if stage:
+            assert res["comm"][f"{key}/reduce_scatter"] >= 1 and res["comm"][f"{key}/all_gather"] >= 1
+
+
+if __name__ == "__main__":
+    print(json.dumps(_dry_runs()))

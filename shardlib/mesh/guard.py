@@ -72,8 +72,10 @@ def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: i
         return lambda: None
     dtype_id = _DTYPE_IDS.setdefault(str(t.dtype), len(_DTYPE_IDS) + 1)
     fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
-    mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
-    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
+    # on the mesh's device, not the checked tensor's: a tensor on another device is then named by
+    # the device check of its own collective, not tripped over as a fingerprint
+    mine = torch.tensor(fp, dtype=torch.int64, device=mesh.device)
+    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=mesh.device)
     work = post(mesh, dist.all_gather_into_tensor, out, mine, group=mesh.group(names, channel), async_op=True)
 
     def verify() -> None:
