@@ -130,3 +130,47 @@ def test_zero_over_two_data_axes_in_either_order(stage, axes, native):
     assert report["plan"].data_axes == axes
     assert all(r["norm"] > 0.05 for r in report["records"])
 
+
+# -- the existing equivalence tests, a subset per code path, through the native branch -------------
+# (their default-branch runs are in their own files; each case here is one of theirs)
+import test_mixed_precision as mixed  # noqa: E402 - the cases and helpers of those files
+import test_tensor_parallel as tensor_parallel  # noqa: E402
+import test_zero_datadep as datadep  # noqa: E402
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_on_the_native_branch(stage):
+    """test_zero's equivalence on dp=2 (tied embeddings, a frozen layer, a buffer, chunks that
+    split parameters, no_sync() accumulation over 2 micro-steps, clipping that clips) through
+    torch's all_gather_into_tensor / reduce_scatter_tensor."""
+    with branch(2, True):
+        report = assert_equivalent(functools.partial(TiedLM, 23, 7, 10), {"dp": 2}, None, _tokens(23, 8, 4, 3), steps=3,
+                                   zero_stage=stage, chunk_size=40, accum_steps=2, max_grad_norm=0.05,
+                                   optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}, seed=3)
+    assert all(r["norm"] > 0.05 for r in report["records"])
+
+
+@pytest.mark.parametrize("case", ["dp2-zero3-reduce-bf16", "dp2-zero1-reduce-bf16-accum2", "dp2xtp2-sp-zero3"])
+def test_mixed_precision_on_the_native_branch(case):
+    """bf16 compute with fp32 masters: gathers in bf16, reductions in a bf16 reduce dtype (a
+    temporary added into the fp32 gradient shard), and tensor + sequence parallel over ZeRO-3."""
+    mesh_shape, specs, options, accum = mixed.BF16_CASES[mixed.CASE_IDS.index(case)]
+    with branch(mixed._world(mesh_shape), True):
+        mixed.test_bf16_equals_single_process_bf16_compute_fp32_masters(mesh_shape, specs, options, accum)
+
+
+@pytest.mark.parametrize("stage,sp,chunk_size,seed", [(3, True, 200, 4), (1, True, 900, 1)])
+def test_tensor_and_sequence_parallel_on_the_native_branch(stage, sp, chunk_size, seed):
+    """GPT with tp=2 x dp=2, sequence parallel (its all-gathers and reduce-scatters along the
+    sequence go through the same flat collectives), ZeRO over dp; fp32, test_tensor_parallel's
+    deterministic examples."""
+    with branch(4, True):
+        tensor_parallel._check_gpt(2, 2, stage, sp, 37, chunk_size, seed, torch.float32)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_module_run_on_one_rank_on_the_native_branch(stage):
+    """ZeRO-3 with a module that one rank skips (its gathers in backward follow the data) on
+    the native branch; stage 2 reduces on channel 0 (test_comm_channels)."""
+    with branch(2, True):
+        datadep.test_module_skipped_on_one_rank(stage, 13)
