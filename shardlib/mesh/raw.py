@@ -95,7 +95,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     key = _key(_names(mesh, axis))
     names = mesh.group_axes(axis)
     n = mesh.size(names)
-    index = mesh.index(names)
+    index = mesh.group_index(names)  # this rank's slot, on both branches
     k = shard.numel()
     slot = out.view(-1)[index * k : (index + 1) * k]
     if n == 1:
@@ -129,7 +129,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     key = _key(_names(mesh, axis))
     names = mesh.group_axes(axis)
     n = mesh.size(names)
-    index = mesh.index(names)
+    index = mesh.group_index(names)  # this rank's slot, on both branches
     k = shard.numel()
     slot = full.view(-1)[index * k : (index + 1) * k]
     if n == 1:
