@@ -33,13 +33,14 @@ CASES = ("zero3_dp2", "tp2")
 
 
 class _Switch:
-    """Take the trace and the watchdog waits out of ``shardlib.mesh.collectives`` while on."""
+    """Take the trace and the watchdog waits out of ``shardlib.mesh.collectives`` (and the raw
+    flat-buffer collectives of ``shardlib.mesh.raw``) while on."""
 
     def __init__(self):
-        from shardlib.mesh import collectives, guard
+        from shardlib.mesh import collectives, guard, raw
 
-        self.c, self.g = collectives, guard
-        self.begin, self.wait = collectives.begin, guard.wait_works
+        self.c, self.g = (collectives, raw), guard
+        self.begin, self.wait = guard.begin, guard.wait_works
         self.record_s, self.records, self.step_s, self.steps, self.each = 0.0, 0, 0.0, 0, []
 
     def plain(self):
@@ -54,10 +55,14 @@ class _Switch:
 
         class _Ctx:
             def __enter__(self_):
-                c.begin, g.wait_works = begin, wait
+                g.wait_works = wait
+                for m in c:
+                    m.begin = begin
 
             def __exit__(self_, *exc):
-                c.begin, g.wait_works = switch.begin, switch.wait
+                g.wait_works = switch.wait
+                for m in c:
+                    m.begin = switch.begin
 
         return _Ctx()
 
@@ -81,10 +86,12 @@ class _Switch:
 
         class _Ctx:
             def __enter__(self_):
-                c.begin = begin
+                for m in c:
+                    m.begin = begin
 
             def __exit__(self_, *exc):
-                c.begin = real
+                for m in c:
+                    m.begin = real
 
         return _Ctx()
 

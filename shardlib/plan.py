@@ -159,7 +159,7 @@ class Plan:
     def _data_index(self) -> int:
         if self.mesh is None or not self.data_axes:
             return 0
-        return self.mesh.index(self.data_axes)
+        return self.mesh.group_index(self.data_axes)  # the shard ZeRO gives this rank (its group rank)
 
     @property
     def param_bytes(self) -> int:

@@ -57,6 +57,24 @@ def test_all_groups_3d_match_numpy():
     assert mesh.axis_ranks(("pp", "tp"), rank=9) == [2, 3, 8, 9]  # rank 9 is (pp 1, dp 1, tp 1): dp=1 fixed
 
 
+def test_group_index_is_the_rank_in_torchs_sorted_group():
+    """torch.distributed.new_group sorts the ranks it is given, so the rank of a member of the
+    group over axes named in any order (where NCCL's flat collectives put its data) is its
+    position among the group's sorted global ranks: group_index gives exactly that, and
+    group_axes names every order of the same axes as one group."""
+    shape = {"pp": 2, "dp": 3, "fsdp": 2}
+    for rank in range(12):
+        m = AbstractMesh(shape, rank=rank)
+        for k in (1, 2, 3):
+            for names in itertools.permutations(shape, k):
+                members = m.axis_ranks(names)  # ordered by the index along names as given
+                assert m.group_index(names) == sorted(members).index(rank), (rank, names)
+                assert set(m.group_axes(names)) == set(names) and m.axis_ranks(m.group_axes(names)) == sorted(members)
+    assert AbstractMesh(shape).group_axes(("fsdp", "pp")) == ("pp", "fsdp")
+    assert AbstractMesh(shape, rank=1).index(("fsdp", "dp")) == 3 and AbstractMesh(shape, rank=1).group_index(
+        ("fsdp", "dp")) == 1
+
+
 def test_size_one_axes_and_value_semantics():
     mesh = AbstractMesh({"dp": 1, "tp": 2}, rank=1)
     assert mesh.all_groups("dp") == [[0], [1]] and mesh.axis_ranks("dp") == [1]

@@ -7,16 +7,10 @@ JAX's ``shard_map``, the backward of ``all_reduce`` is the identity: the cotange
 (replicated) value is itself replicated. ``pvary`` is the pair of that (identity forward,
 all-reduce backward): Megatron's ``f`` and ``g`` operators (arXiv 1909.08053, section 3).
 
-The ``raw_*`` functions are the non-autograd layer the strategies use on flat buffers. On gloo,
-reduce-scatter and all-gather are direct point-to-point exchanges (``_exchange``): each rank
-sends every other rank the slice it owns (all-gather) or needs (reduce-scatter) and receives
-straight into place, the (N-1)/N of the buffer a ring moves, without the copies of gloo's
-``all_gather_into_tensor`` (input flattened, output copied out) or the doubled traffic of an
-all-reduce standing in for reduce-scatter (gloo's own reduce-scatter is an all-reduce
-underneath). Two ranks, 16 MiB, wall/CPU ms: all-gather 8.9/6.6 against gloo's 13.0/10.2;
-reduce-scatter 9.3/6.7 against an all-reduce's 15.7/12.9 (``benchmarks/README.md``). Every
-rank posts its sends and receives in the same order, and gloo matches a pair's messages in
-order, so exchanges in flight together (a prefetch) pair up.
+Over a tuple of axes, pieces are in axis-index order over the axes as named (as in JAX), on
+every backend; torch lays them out by group rank (axes in mesh order), so where the two differ
+the pieces are permuted around the flat-buffer call. The ``raw_*`` functions, the non-autograd
+layer the strategies use on flat buffers, are in :mod:`.raw` (re-exported here).
 """
 
 from __future__ import annotations
@@ -28,8 +22,9 @@ import torch.distributed as dist
 
 from .checks import check_dim as _check_dim, check_tensor as _check_tensor, is_int as _is_int
 from .eager import eager
-from .guard import Handle, begin, done_handle, finish, post, wait_works
+from .guard import Handle, begin, post, wait_works
 from .mesh import Axis, Mesh, current_mesh
+from .raw import _OPS, _group_positions, _key, _names, raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
 
 __all__ = [
     "all_reduce",
@@ -44,139 +39,6 @@ __all__ = [
     "raw_reduce_scatter",
     "raw_broadcast",
 ]
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.SUM}
-
-
-def _names(mesh: Mesh, axis: Axis) -> tuple[str, ...]:
-    return mesh._axes(axis)
-
-
-def _key(names: tuple[str, ...]) -> str:
-    return "+".join(names)
-
-
-def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], group, mesh: Mesh) -> list:
-    """Post point-to-point sends and receives ``[(global rank, tensor)]`` on ``group`` at once."""
-    works = [post(mesh, dist.isend, t, peer, group=group) for peer, t in sends]
-    works += [post(mesh, dist.irecv, t, peer, group=group) for peer, t in recvs]
-    return works
-
-
-def _peers(mesh: Mesh, names: tuple[str, ...], index: int) -> list[tuple[int, int]]:
-    """``[(index along names, global rank)]`` of every other rank of this rank's group."""
-    return [(j, r) for j, r in enumerate(mesh.axis_ranks(names)) if j != index]
-
-
-@eager
-def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
-                   channel: int = 0, note: str = "") -> Handle:
-    """In-place all-reduce of ``t`` over ``axis``; counted as ``all_reduce``."""
-    names = _names(mesh, axis)
-    n = mesh.size(names)
-    if n == 1:
-        return done_handle()
-    if record:
-        mesh.comm.record(_key(names), "all_reduce", t.numel() * t.element_size(), n)
-    rec, verify = begin(mesh, names, "all_reduce", t, channel, note, extra=list(_OPS).index(op), async_op=async_op)
-    work = post(mesh, dist.all_reduce, t, op=_OPS[op], group=mesh.group(names, channel), async_op=True)
-    then = (lambda: t.div_(n)) if op == "avg" else None
-    return finish([work], then, mesh, async_op, rec, verify=verify)
-
-
-@eager
-def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False,
-                   note: str = "") -> Handle:
-    """Gather equal shards into the flat ``out`` (``out.numel() == N * shard.numel()``).
-
-    ``shard`` may be a view of ``out``'s own slot (in-place all-gather). Counted as ``all_gather``
-    of ``out``'s bytes.
-    """
-    names = _names(mesh, axis)
-    n = mesh.size(names)
-    index = mesh.index(names)
-    k = shard.numel()
-    slot = out.view(-1)[index * k : (index + 1) * k]
-    if n == 1:
-        if slot.data_ptr() != shard.data_ptr():
-            slot.copy_(shard.view(-1))
-        return done_handle()
-    mesh.comm.record(_key(names), "all_gather", out.numel() * out.element_size(), n)
-    rec, verify = begin(mesh, names, "all_gather", shard, 0, note, async_op=async_op)
-    group = mesh.group(names)
-    if not mesh.native:
-        flat, src = out.view(-1), shard.view(-1)
-        peers = _peers(mesh, names, index)
-        if src.data_ptr() != slot.data_ptr():
-            slot.copy_(src)
-        works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group, mesh)
-        return finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
-    work = post(mesh, dist.all_gather_into_tensor, out.view(-1), shard.view(-1), group=group, async_op=True)
-    return finish([work], None, mesh, async_op, rec, verify=verify)
-
-
-@eager
-def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis: Axis, async_op: bool = False, op: str = "sum",
-                       channel: int = 0, note: str = "") -> Handle:
-    """Reduce the flat ``full`` over ``axis`` and write this rank's equal slice into ``shard``.
-
-    ``full`` may be clobbered (NCCL reduces in place; gloo leaves it as it was). ``shard`` may be
-    a view of ``full``'s own slot. ``op`` is ``"sum"`` or ``"avg"``. Counted as ``reduce_scatter``
-    of ``full``'s bytes.
-    """
-    names = _names(mesh, axis)
-    n = mesh.size(names)
-    index = mesh.index(names)
-    k = shard.numel()
-    slot = full.view(-1)[index * k : (index + 1) * k]
-    if n == 1:
-        if slot.data_ptr() != shard.data_ptr():
-            shard.view(-1).copy_(slot)
-        return done_handle()
-    mesh.comm.record(_key(names), "reduce_scatter", full.numel() * full.element_size(), n)
-    rec, verify = begin(mesh, names, "reduce_scatter", full, channel, note, extra=list(_OPS).index(op),
-                         async_op=async_op)
-    group = mesh.group(names, channel)
-    flat, out = full.view(-1), shard.view(-1)
-    if not mesh.native:
-        peers = _peers(mesh, names, index)
-        parts = {j: flat.new_empty(k) for j, _ in peers}
-        works = _exchange([(r, flat[j * k : (j + 1) * k]) for j, r in peers], [(r, parts[j]) for j, r in peers], group, mesh)
-
-        def then():  # the owner sums its own slice, then the others' in rank order; scaled for "avg"
-            rest = [parts[j] for j, _ in peers]
-            if out.data_ptr() == slot.data_ptr():
-                out.add_(rest[0])
-            else:
-                torch.add(slot, rest[0], out=out)
-            for part in rest[1:]:
-                out.add_(part)
-            if op == "avg":
-                out.div_(n)
-
-        return finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
-    work = post(mesh, dist.reduce_scatter_tensor, slot, flat, group=group, async_op=True)
-
-    def then_nccl():
-        if op == "avg":
-            slot.div_(n)
-        if slot.data_ptr() != out.data_ptr():
-            out.copy_(slot)
-
-    return finish([work], then_nccl, mesh, async_op, rec, verify=verify)
-
-
-@eager
-def raw_broadcast(t: torch.Tensor, mesh: Mesh, axis: Axis, src_index: int = 0) -> None:
-    """Broadcast ``t`` in place from the rank at index ``src_index`` along ``axis``."""
-    names = _names(mesh, axis)
-    n = mesh.size(names)
-    if n == 1:
-        return
-    mesh.comm.record(_key(names), "broadcast", t.numel() * t.element_size(), n)
-    rec, _ = begin(mesh, names, "broadcast", t, 0, "", extra=src_index)
-    src = mesh.axis_ranks(names)[src_index]
-    wait_works(mesh, [post(mesh, dist.broadcast, t, src=src, group=mesh.group(names), async_op=True)], rec, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +61,10 @@ def _gather(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
         return x
     xs = x.movedim(dim, 0).contiguous()
     out = xs.new_empty((n * xs.shape[0],) + tuple(xs.shape[1:]))
-    raw_all_gather(out, xs, mesh, names)
+    raw_all_gather(out, xs, mesh, names)  # pieces in group-rank order
+    where = _group_positions(mesh, names)
+    if where is not None:  # into axis-index order
+        out = out.view((n,) + tuple(xs.shape))[where].view(out.shape)
     return out.movedim(0, dim)
 
 
@@ -216,7 +81,13 @@ def _scatter(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
             f"to be divisible by {n}. Fix: pad that dimension to a multiple of {n}"
         )
     xs = x.movedim(dim, 0).contiguous()
-    if xs.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    where = _group_positions(mesh, names)
+    if where is not None:  # axis-index order into group-rank order (a copy)
+        order = [0] * n
+        for j, g in enumerate(where):
+            order[g] = j
+        xs = xs.view((n, xs.shape[0] // n) + tuple(xs.shape[1:]))[order].view(xs.shape)
+    elif xs.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         xs = xs.clone()  # raw_reduce_scatter clobbers its input; never the caller's tensor
     shard = xs.new_empty((xs.shape[0] // n,) + tuple(xs.shape[1:]))
     raw_reduce_scatter(shard, xs, mesh, names)
@@ -286,11 +157,19 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
             f"all_to_all over {_key(names)} (size {n}) splits dimension {split_dim} of shape {tuple(x.shape)}, "
             f"which {n} does not divide"
         )
-    chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]
+    chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]  # piece j goes to axis index j
+    where = _group_positions(mesh, names)
+    if where is not None:  # torch's lists are in group-rank order
+        by_group = [None] * n
+        for j, g in enumerate(where):
+            by_group[g] = chunks[j]
+        chunks = by_group
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
     rec, _ = begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)
     wait_works(mesh, [post(mesh, dist.all_to_all, outs, chunks, group=mesh.group(names), async_op=True)], rec, False)
+    if where is not None:
+        outs = [outs[g] for g in where]  # what axis index j sent, in axis-index order
     return torch.cat(outs, dim=concat_dim)
 
 

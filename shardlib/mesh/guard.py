@@ -18,7 +18,7 @@ from .mesh import Mesh
 
 __all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_devices"]
 
-_OP_NAMES = ("sum", "max", "min", "avg")  # the order of collectives._OPS: an op's index is its id in the check
+_OP_NAMES = ("sum", "max", "min", "avg")  # the order of raw._OPS: an op's index is its id in the check
 
 
 def wait_works(mesh: Mesh, works, rec, p2p: bool) -> None:
@@ -51,7 +51,8 @@ def begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channe
     group and ``verify`` compares when the collective is waited on (else ``verify`` is None).
     On torch's fake group (a dry run, :attr:`Mesh.fake`) there is no check: nothing is gathered."""
     trace = mesh.trace
-    rec = trace.record(kind, trace.label(mesh, names, channel), t.shape, t.dtype, note)
+    label = trace.label(mesh, mesh.group_axes(names), channel)  # one label per group, whatever the axis order
+    rec = trace.record(kind, label, t.shape, t.dtype, note)
     verify = None
     if trace.check and kind not in ("send", "recv") and mesh.backend != "fake":  # a fake group gathers no fingerprints
         verify = _check(mesh, names, channel, kind, t, extra, rec)
@@ -71,8 +72,10 @@ def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: i
         return lambda: None
     dtype_id = _DTYPE_IDS.setdefault(str(t.dtype), len(_DTYPE_IDS) + 1)
     fp = [_KINDS.index(kind), dtype_id, t.dim(), *t.shape, *([-1] * (8 - t.dim())), rec["gseq"], extra]
-    mine = torch.tensor(fp, dtype=torch.int64, device=t.device)
-    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=t.device)
+    # on the mesh's device, not the checked tensor's: a tensor on another device is then named by
+    # the device check of its own collective, not tripped over as a fingerprint
+    mine = torch.tensor(fp, dtype=torch.int64, device=mesh.device)
+    out = torch.empty(n * mine.numel(), dtype=torch.int64, device=mesh.device)
     work = post(mesh, dist.all_gather_into_tensor, out, mine, group=mesh.group(names, channel), async_op=True)
 
     def verify() -> None:
@@ -88,7 +91,7 @@ def _mismatch(mesh: Mesh, names, rows: list, rec: dict) -> None:
     from ..errors import CollectiveMismatchError
     from .diagnosis import ordinal
 
-    ranks = mesh.axis_ranks(names)
+    ranks = mesh.axis_ranks(mesh.group_axes(names))  # the gathered rows are in group-rank order
     dtypes = {v: k for k, v in _DTYPE_IDS.items()}
 
     def say(row):

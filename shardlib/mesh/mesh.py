@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import datetime
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Union
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ShardingError
 from .comm import CommCounter
 
-__all__ = ["AbstractMesh", "Mesh", "init_mesh", "current_mesh", "default_timeout"]
+__all__ = ["AbstractMesh", "Mesh", "init_mesh", "current_mesh", "default_timeout", "nccl_environment"]
 
 Axis = Union[str, Sequence[str], None]
 
@@ -161,6 +161,37 @@ class AbstractMesh:
             index = index * self._shape[name] + coords[name]
         return index
 
+    def group_axes(self, axis: Axis) -> tuple[str, ...]:
+        """The axes of ``axis`` in mesh order: the names its process group is known by.
+
+        ``torch.distributed.new_group`` sorts the ranks it is given, so the place of a rank in
+        the group of several axes (its *group rank*, which sets where ``all_gather_into_tensor``
+        and ``reduce_scatter_tensor`` put its data) is its linear index over the axes in mesh
+        order, whatever order they are named in: ``("fsdp", "dp")`` and ``("dp", "fsdp")`` are
+        one group, with one rank order.
+
+        Example:
+            >>> AbstractMesh({"dp": 2, "fsdp": 2}).group_axes(("fsdp", "dp"))
+            ('dp', 'fsdp')
+        """
+        names = self._axes(axis)
+        if len(names) < 2:
+            return names
+        return tuple(n for n in self._shape if n in names)
+
+    def group_index(self, axis: Axis) -> int:
+        """This rank's rank in the process group of ``axis``: :meth:`index` over
+        :meth:`group_axes`, the slot it owns in every flat buffer a collective over ``axis``
+        fills (:func:`~shardlib.mesh.raw.raw_all_gather`, ZeRO's shards). Equal to
+        :meth:`index` for a single axis or axes named in mesh order.
+
+        Example:
+            >>> m = AbstractMesh({"dp": 2, "fsdp": 2}, rank=1)  # dp 0, fsdp 1
+            >>> m.index(("fsdp", "dp")), m.group_index(("fsdp", "dp"))
+            (2, 1)
+        """
+        return self.index(self.group_axes(axis))
+
     def axis_ranks(self, axis: Axis, rank: int | None = None) -> list[int]:
         """Global ranks in ``rank``'s group along ``axis``, ordered by their index along it."""
         names = self._axes(axis)
@@ -219,11 +250,19 @@ class Mesh(AbstractMesh):
         native: whether flat-buffer all-gathers and reduce-scatters use torch's
             ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (True on NCCL and the fake
             group) or direct point-to-point exchanges (gloo, where they are faster:
-            :mod:`.collectives`). ``SHARDLIB_NATIVE_COLLECTIVES=1`` forces the native calls on
+            :mod:`.raw`). ``SHARDLIB_NATIVE_COLLECTIVES=1`` forces the native calls on
             gloo, so the CPU tests run the NCCL branch too.
 
     Raises:
         ShardingError: bad shape, or a product of sizes different from the world size.
+
+    Nothing hangs. On gloo every wait is bounded by ``timeout`` through shardlib's watchdog,
+    which names the rank that stalled or left (:mod:`.watchdog`). On NCCL a wait only makes the
+    current CUDA stream wait (the host goes on); the bound is the process group's timeout, which
+    torch's NCCL watchdog thread enforces: it logs the timed-out collective with this rank
+    (``[Rank N] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=...)``)
+    and, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 1 or 3 (:func:`nccl_environment`), ends the
+    process, so the launcher stops the others.
 
     Use :func:`init_mesh` rather than this constructor; ``with mesh:`` makes it the mesh that
     collectives use when none is passed.
@@ -268,15 +307,16 @@ class Mesh(AbstractMesh):
         """The ``ProcessGroup`` of this rank along ``axis`` (a name or a tuple of names).
 
         ``channel`` > 0 gives another group over the same ranks: collectives on different
-        channels are ordered independently (ZeRO reduces gradients on channel 1 while parameters
-        are gathered on channel 0, so the two streams cannot pair up across ranks).
+        channels are ordered independently (ZeRO-3 reduces gradients on channel 1 while
+        parameters are gathered on channel 0, so the two streams cannot pair up across ranks).
         Groups for tuples of axes and other channels are created on first use: every rank must
         ask for them in the same order (true of SPMD code), as ``torch.distributed.new_group``
-        requires.
+        requires. A tuple of axes names one group whatever their order (:meth:`group_axes`);
+        this rank's rank in it is :meth:`group_index`.
         """
         import torch.distributed as dist
 
-        names = self._axes(axis)
+        names = self.group_axes(axis)
         key_names = names if channel == 0 else names + (f"#{channel}",)
         if key_names not in self._groups:
             if not dist.is_initialized():
@@ -340,12 +380,67 @@ def _destroy_at_exit() -> None:
     atexit.register(destroy)
 
 
+# torch 2.13, ProcessGroupNCCL.hpp: what the NCCL watchdog does with a collective that failed or
+# outlived the group's timeout. 0: nothing (the job hangs); 1: abort the communicators and end the
+# process; 2: abort the communicators only; 3 (torch's default since 2.2, the one its comment asks
+# users to keep): end the process without aborting (ncclCommAbort can hang itself).
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ASYNC_ERROR_HANDLING_NAMES = (ASYNC_ERROR_HANDLING, "NCCL_ASYNC_ERROR_HANDLING")  # torch reads both, first wins
+_ASYNC_ERROR_HANDLING_DEFAULT = "3"
+
+
+def nccl_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Make torch's own bound on NCCL collectives explicit, before the NCCL group is made.
+
+    On NCCL, shardlib's waits do not block the host, so a collective that never completes is
+    ended by torch: the process group's timeout (``init_mesh``'s ``timeout``) and the NCCL
+    watchdog's error handling, ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (read when the group is
+    created). Where neither it nor its old name ``NCCL_ASYNC_ERROR_HANDLING`` is set, this sets
+    it to ``3`` (end the process on a timeout or NCCL error; torch 2.13's default, which its
+    source marks as the value to keep), so the bound does not rest on an unset variable. A
+    value set by the user (torchrun sets 1, also a bounded exit) is kept.
+
+    Args:
+        environ: the environment to read and update (default ``os.environ``).
+
+    Returns:
+        ``{name: value}`` of what was set (empty when the user had set it).
+
+    Warns:
+        UserWarning: the variable is ``0``: a collective that outlives the timeout then leaves
+            the job hanging instead of ending it.
+
+    Example:
+        >>> nccl_environment({})
+        {'TORCH_NCCL_ASYNC_ERROR_HANDLING': '3'}
+    """
+    import warnings
+
+    env = os.environ if environ is None else environ
+    given = next(((name, env[name]) for name in _ASYNC_ERROR_HANDLING_NAMES if name in env), None)
+    if given is None:
+        env[ASYNC_ERROR_HANDLING] = _ASYNC_ERROR_HANDLING_DEFAULT
+        return {ASYNC_ERROR_HANDLING: _ASYNC_ERROR_HANDLING_DEFAULT}
+    if given[1].strip() == "0":
+        warnings.warn(
+            f"{given[0]}=0 turns off torch's NCCL error handling: a collective that outlives the process group's "
+            "timeout is only logged, and the job hangs instead of ending. Fix: unset it (shardlib then sets 3: end "
+            "the process) or set 1 or 3", UserWarning, stacklevel=2)
+    return {}
+
+
 def init_mesh(shape: Mapping[str, int], timeout: float | None = None) -> Mesh:
     """Create a :class:`Mesh`, initializing ``torch.distributed`` first if needed.
 
     Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and picks
     NCCL when CUDA is available, else gloo. Without that environment and with a one-rank
     shape, a single-process gloo group is made, so the same script runs unlaunched.
+
+    Every collective is bounded by ``timeout``. On gloo shardlib's watchdog enforces it and
+    names the failing rank. On NCCL the process group's timeout does, through torch's NCCL
+    watchdog, which logs the failing collective with its rank; before making an NCCL group
+    this sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` unless it is set (:func:`nccl_environment`),
+    so the process then ends instead of hanging.
 
     Args:
         shape: ``{axis: size}``, outer to inner; the product must equal the world size.
@@ -381,6 +476,7 @@ def init_mesh(shape: Mapping[str, int], timeout: float | None = None) -> Mesh:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                nccl_environment()  # read by ProcessGroupNCCL when it is created, just below
             dist.init_process_group(backend, timeout=tmo)
             _destroy_at_exit()
         elif product == 1:

@@ -112,7 +112,8 @@ class Chunk:
         plan: the chunk's plan (``padded_numel`` ``P``, ``shard_numel`` ``S``, dtypes).
         params: ``(parameter, element offset)`` of its unique parameters, in offset order.
         stage: the effective ZeRO stage (0-3).
-        data_index: this rank's index along the data axes (which shard it owns).
+        data_index: which shard this rank owns: its group rank over the data axes
+            (:meth:`~shardlib.mesh.Mesh.group_index`, its slot in the collectives' flat buffers).
         lazy: for a model built on ``meta``, a :class:`shardlib.lazy.LazyInit` that fills the
             elements this rank stores (stage 3: only its shard; its full buffer is allocated in
             the compute dtype and freed, never filled or converted).

@@ -45,9 +45,11 @@ from .gather import ParameterGathering
 
 __all__ = ["ZeroRuntime"]
 
-# Gradient reductions run on their own process group (channel): launched in a fixed order, they
-# never interleave with parameter gathers, whose timing follows the data (a module that runs on
-# one rank only), so the two streams cannot pair up differently on different ranks.
+# Under stage 3, gradient reductions run on their own process group (channel 1): launched in a
+# fixed order, they never interleave with the parameter gathers of backward, whose timing follows
+# the data (a module that runs on one rank only), so the two streams cannot pair up differently on
+# different ranks. Stages 0-2 gather nothing during backward: their reductions, in the same fixed
+# order on every rank, share channel 0 (one communicator per data-axis group, not two).
 _REDUCE = 1
 
 
@@ -69,7 +71,8 @@ class ZeroRuntime(ParameterGathering):
         self.stage = plan.effective_stage
         self.axes = plan.data_axes
         self.n = plan.data_size
-        index = mesh.index(self.axes) if self.axes else 0
+        # the shard a rank owns is its slot in the collectives' flat buffers: its group rank
+        index = mesh.group_index(self.axes) if self.axes else 0
         by_name = dict(model.named_parameters())
         members: list[list] = [[] for _ in plan.chunks]
         self.param_chunk: dict[int, Chunk] = {}
@@ -78,8 +81,10 @@ class ZeroRuntime(ParameterGathering):
             members[c].append((by_name[pp.name], off))
         self.sync = True
         self.unsynced = False  # the last backward ran inside no_sync()
+        self.reduce_channel = _REDUCE if self.stage == 3 else 0
         if self.n > 1:
-            mesh.group(self.axes, _REDUCE)  # created now, collectively, on every rank
+            self._check_devices(by_name, model_name or type(model).__name__)
+            mesh.group(self.axes, self.reduce_channel)  # created now, collectively, on every rank
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
             for ms in members if lazy is None else ():  # lazy init is the same on every rank by construction
@@ -122,6 +127,23 @@ class ZeroRuntime(ParameterGathering):
             self._setup_stage3()
 
     # -- set-up helpers ------------------------------------------------------------------------
+    def _check_devices(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
+        """Every parameter (its chunk is allocated where it is) and buffer ZeRO communicates
+        must be on the mesh's device (NCCL takes CUDA tensors only): refused here, on every
+        rank, before the first broadcast."""
+        want = self.mesh.device
+        tensors = [(f"parameter '{pp.name}'", by_name[pp.name]) for pp in self.plan.params]
+        tensors += [(f"buffer '{n}'", b) for n, b in self.model.named_buffers()]
+        for what, t in tensors:
+            if t.device != want:
+                from ..errors import ShardingError
+
+                raise ShardingError(
+                    f"{what} of {model_name} (shape {tuple(t.shape)}) is on {t.device}, but the mesh {self.mesh.shape} "
+                    f"communicates on {want} (backend {self.mesh.backend}), where ZeRO over {'+'.join(self.axes)} "
+                    f"broadcasts and reduces it. Fix: move the model there first (model.to({str(want)!r})), or build "
+                    "it on meta and let shard() materialize it")
+
     def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
         """Give every parameter the message it raises with while its chunk is freed."""
         over = ", ".join(f"{a}={self.mesh.size(a)}" for a in self.axes)
@@ -226,10 +248,10 @@ class ZeroRuntime(ParameterGathering):
         if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
             if self.stage == 0:
                 chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
-                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
+                                                     channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
             else:
                 chunk.reduce_handle = raw_reduce_scatter(chunk.grad_shard, chunk.grad_full, self.mesh, self.axes,
-                                                         async_op=True, op="avg", channel=_REDUCE,
+                                                         async_op=True, op="avg", channel=self.reduce_channel,
                                                          note=f"chunk {chunk.index} gradients")
             return
         # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
@@ -237,12 +259,12 @@ class ZeroRuntime(ParameterGathering):
         direct = chunk.shard_stale and chunk.grad_shard.dtype == chunk.grad_full.dtype
         if self.stage == 0:
             out = chunk.grad_full
-            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True, channel=_REDUCE,
-                                                 note=f"chunk {chunk.index} gradients")
+            chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True,
+                                                 channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         else:
             out = chunk.grad_shard if direct else torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
             chunk.reduce_handle = raw_reduce_scatter(out, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
-                                                     channel=_REDUCE, note=f"chunk {chunk.index} gradients")
+                                                     channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         chunk.reduce_tmp = None if out is chunk.grad_shard else out
 
     def _finish_reduce(self, chunk: Chunk) -> None:
