@@ -164,7 +164,7 @@ def check_nccl(mesh) -> tuple:
     import torch.distributed as dist
 
     from shardlib import CollectiveDeviceError
-    from shardlib.mesh.guard import post
+    from shardlib.mesh.guard import native_all_gather, native_reduce_scatter, post
 
     dev = mesh.device
     if torch.cuda.is_available() and (mesh.backend != "nccl" or dev.type != "cuda"):
@@ -173,9 +173,9 @@ def check_nccl(mesh) -> tuple:
     t = torch.arange(8.0, device=dev)
     post(mesh, dist.all_reduce, t, group=group)
     out = torch.empty(8, device=dev)
-    post(mesh, dist.all_gather_into_tensor, out, t, group=group)
+    post(mesh, native_all_gather(), out, t, group=group)
     red = torch.empty(8, device=dev)
-    post(mesh, dist.reduce_scatter_tensor, red, out, group=group)
+    post(mesh, native_reduce_scatter(), red, out, group=group)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     if not (torch.equal(t.cpu(), torch.arange(8.0)) and torch.equal(red.cpu(), torch.arange(8.0))):

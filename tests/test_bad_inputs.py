@@ -43,7 +43,8 @@ pytestmark = pytest.mark.multiprocess
 POOL_CASES = API_CASES + CLI_CASES
 GROUP_ENVS = dict(ENVS, cli=env_cli)
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "broadcast",
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all",
     "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather", "gather_object", "scatter",
     "scatter_object_list", "reduce", "new_group",

@@ -16,9 +16,22 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_devices"]
+__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_devices", "native_all_gather", "native_reduce_scatter"]
 
 _OP_NAMES = ("sum", "max", "min", "avg")  # the order of raw._OPS: an op's index is its id in the check
+
+
+def native_all_gather():
+    """torch's flat all-gather: ``all_gather_single`` (torch 2.13 deprecates its old name
+    ``all_gather_into_tensor``, a ``FutureWarning`` per call site), else the old name. Looked up
+    at each call, so a test that wraps ``torch.distributed`` sees it."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def native_reduce_scatter():
+    """torch's flat reduce-scatter: ``reduce_scatter_single`` (2.13's name for
+    ``reduce_scatter_tensor``), else the old name."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def wait_works(mesh: Mesh, works, rec, p2p: bool) -> None:
@@ -76,7 +89,7 @@ def _check(mesh: Mesh, names, channel: int, kind: str, t: torch.Tensor, extra: i
     # the device check of its own collective, not tripped over as a fingerprint
     mine = torch.tensor(fp, dtype=torch.int64, device=mesh.device)
     out = torch.empty(n * mine.numel(), dtype=torch.int64, device=mesh.device)
-    work = post(mesh, dist.all_gather_into_tensor, out, mine, group=mesh.group(names, channel), async_op=True)
+    work = post(mesh, native_all_gather(), out, mine, group=mesh.group(names, channel), async_op=True)
 
     def verify() -> None:
         wait_works(mesh, [work], rec, False)

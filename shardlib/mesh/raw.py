@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .eager import eager
-from .guard import Handle, begin, done_handle, finish, post, wait_works
+from .guard import Handle, begin, done_handle, finish, post, wait_works, native_all_gather, native_reduce_scatter
 from .mesh import Axis, Mesh
 
 __all__ = ["raw_all_reduce", "raw_all_gather", "raw_reduce_scatter", "raw_broadcast"]
@@ -112,7 +112,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
             slot.copy_(src)
         works = _exchange([(r, slot) for _, r in peers], [(r, flat[j * k : (j + 1) * k]) for j, r in peers], group, mesh)
         return finish(works, None, mesh, async_op, rec, p2p=True, verify=verify)
-    work = post(mesh, dist.all_gather_into_tensor, out.view(-1), shard.view(-1), group=group, async_op=True)
+    work = post(mesh, native_all_gather(), out.view(-1), shard.view(-1), group=group, async_op=True)
     return finish([work], None, mesh, async_op, rec, verify=verify)
 
 
@@ -158,7 +158,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
                 out.div_(n)
 
         return finish(works, then, mesh, async_op, rec, p2p=True, verify=verify)
-    work = post(mesh, dist.reduce_scatter_tensor, slot, flat, group=group, async_op=True)
+    work = post(mesh, native_reduce_scatter(), slot, flat, group=group, async_op=True)
 
     def then_nccl():
         if op == "avg":
