@@ -81,7 +81,10 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
     """Sum ``param``'s gradient over ``axis`` as it is produced (a hook on the parameter).
 
     For parameters replicated over the tensor axis but used on sequence shards (norm weights,
-    row-layer biases under sequence parallelism): each rank's gradient is a partial sum.
+    row-layer biases under sequence parallelism): each rank's gradient is a partial sum. This
+    per-parameter, per-backward all-reduce serves the layers used by hand; a sharded module's
+    ZeRO runtime removes the hook and sums these gradients in buckets, once per step,
+    overlapped with the backward (:mod:`shardlib.parallel.tensor_grads`).
     """
     if mesh.size(axis) == 1 or getattr(param, "_shardlib_grad_sum", None) == axis:
         return
@@ -91,7 +94,7 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
         raw_all_reduce(grad, mesh, axis)
         return grad
 
-    # the handle lets ZeRO take the sum over under mixed precision (done in reduce_dtype there)
+    # the handle lets ZeRO take the sum over (in buckets, in its reduction dtype: tensor_grads)
     param._shardlib_grad_sum_hook = param.register_hook(hook)
     param._shardlib_grad_sum = axis
 

@@ -22,7 +22,8 @@ Lowering (after :mod:`tensor_rules` decided the roles):
    after the first has no entry: it receives the sequence shard);
 5. the parameters in ``plan.sp_grad_params`` (norm weights, row biases and every replicated
    parameter of the blocks under sequence parallelism; per-head norms inside split attention
-   without it) get their gradient summed over the tensor axis.
+   without it) get their gradient summed over the tensor axis: a hook per parameter here,
+   which the ZeRO runtime then replaces by bucketed sums (:mod:`.tensor_grads`).
 """
 
 from __future__ import annotations
