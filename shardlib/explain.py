@@ -26,7 +26,7 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
     kind_width = max(len(layer.kind) for layer in plan.tp_layers)
     rows = []
     for layer in plan.tp_layers:
-        extra = " (output, gathered)" if layer.output_layer else ""
+        extra = (" (output, vocabulary-parallel)" if layer.parallel_output else " (output, gathered)") if layer.output_layer else ""
         calls = f"; {'; '.join(by_layer.pop(layer.path))}" if layer.path in by_layer else ""
         rows.append(Row(layer.path, (f"{layer.kind:<{kind_width}} {layer.axis}  {layer.in_features} -> "
                                      f"{layer.out_features}{extra}{calls}", "layer")))

@@ -69,7 +69,10 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
                             TPCollective(layer.path, "backward", "reduce_scatter", a, layer.in_features)]
                 else:
                     out.append(TPCollective(layer.path, "backward", "all_reduce", a, layer.in_features))
-                if layer.output_layer:
+                if layer.output_layer and layer.parallel_output:  # no gather: the loss's three all-reduces of a
+                    # number per token (vocab_parallel_cross_entropy without label smoothing, as the reference GPT)
+                    out += [TPCollective(layer.path, "forward", "all_reduce", a, 1, fp32=True)] * 3
+                elif layer.output_layer:
                     block = -(-layer.out_features // n)
                     out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
         elif layer.kind == "row":
