@@ -225,10 +225,10 @@ def vocab_slices(mini: Any, n: int, index: int) -> dict[int, tuple[int, int]]:
 def vocab_local(ref: torch.Tensor, y: torch.Tensor, vocab: dict[int, tuple[int, int]]) -> torch.Tensor:
     """``ref`` (unsharded), or its slice of the vocabulary where the sharded output ``y`` is an
     output layer's vocabulary-parallel logits (last dimension this rank's width of ``V``)."""
-    lo, hi = vocab.get(ref.shape[-1] if ref.dim() else -1, (0, -1))
-    if hi - lo == (y.shape[-1] if y.dim() else -1) != ref.shape[-1]:
-        return ref.narrow(-1, lo, hi - lo)
-    return ref
+    if not ref.dim() or not y.dim() or ref.shape[-1] not in vocab:
+        return ref
+    lo, hi = vocab[ref.shape[-1]]
+    return ref.narrow(-1, lo, hi - lo) if y.shape[-1] == hi - lo != ref.shape[-1] else ref
 
 
 def first_float(args, kwargs):
