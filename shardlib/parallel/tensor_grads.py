@@ -24,7 +24,9 @@ sums data-parallel gradients in 25 MiB buckets launched as they fill. Here both:
 
 So a step issues one all-reduce per bucket, not one per parameter and backward, and each is
 exact: the sum of the ranks' partial sums, in the reduction dtype (``reduce_dtype`` under mixed
-precision). Without ZeRO (layers used by hand, ``shard(verify=True)``'s unit checks) the
+precision). These parameters' own ``.grad`` stays None, at stage 0 too (as under mixed
+precision: a gradient view into the chunk would mix this backward's partial sum with the summed
+gradients already there); :func:`shardlib.full_grads` reads their gradients. Without ZeRO (layers used by hand, ``shard(verify=True)``'s unit checks) the
 per-parameter hook of :func:`~shardlib.parallel.tensor.sum_grad_over` does the sum; ZeRO takes
 those hooks over (:meth:`TensorGradSums.take_over`).
 """
