@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardlib
-from shardlib.errors import WorkerError
 from shardlib.mesh.launch import WorkerGroup
 from shardlib.parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardlib.spec import shard_range

@@ -456,9 +456,8 @@ class MLP(nn.Module):
 
 
 class LogitsLM(nn.Module):
-    """Embedding, a residual MLP, LM head; returns the logits ``(B, T, vocab)``, the caller
-    computes the loss. (The head is the output layer as the MLP's projections sit in their own
-    module: a column layer beside a row layer would be taken for its partner.)"""
+    """Embedding, residual MLP, LM head (alone in its parent, so the output layer); returns the
+    logits ``(B, T, vocab)``, the caller computes the loss."""
 
     def __init__(self, vocab=37, dim=10, hidden=13):
         super().__init__()
