@@ -38,8 +38,9 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
         grad_size = plan.reduce_dtype.itemsize if plan.reduce_dtype is not None else itemsize
         for c in tensor_parallel_collectives(plan):
             calls, total = out.setdefault((c.axis, c.kind), [0, 0.0])
-            nbytes = c.per_token * tokens * act_size + c.fixed * grad_size
-            out[(c.axis, c.kind)] = [calls + micro_steps, total + micro_steps * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
+            nbytes = c.per_token * tokens * (max(act_size, 4) if c.fp32 else act_size) + c.fixed * grad_size
+            times = micro_steps if c.per_token else 1  # gradient sums: once per step (parallel/tensor_grads.py)
+            out[(c.axis, c.kind)] = [calls + times, total + times * float(ring_bytes(c.kind, nbytes, mesh_shape[c.axis]))]
     if clip:
         mesh_shape = dict(plan.mesh_shape)
         tp_axes = tuple(sorted({layer.axis for layer in plan.tp_layers}))

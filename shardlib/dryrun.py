@@ -142,7 +142,10 @@ def _default_specs(config: Any, model: torch.nn.Module, mesh: dict[str, int]) ->
     if mesh.get("tp", 1) <= 1:
         return None, {}
     preset = gpt_preset("tp") if isinstance(config, GPTConfig) else hf_preset(model, "tp")
-    return preset.specs, dict(preset.options)
+    options = dict(preset.options)
+    if mesh.get("pp", 1) > 1:
+        options.pop("vocab_parallel_logits", None)  # a pipeline's criterion reads whole logits (refused there)
+    return preset.specs, options
 
 
 @contextlib.contextmanager

@@ -21,12 +21,12 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
     (unless ``full``) when there are more than ``FOLD_ABOVE`` of them."""
     by_layer: dict[str, list[str]] = {}
     for c in tensor_parallel_collectives(plan):
-        size = f"{c.per_token}/token" if c.per_token else f"{c.fixed} elements"
+        size = f"{c.per_token}/token" if c.per_token else f"{c.fixed} elements once per step"
         by_layer.setdefault(c.layer, []).append(f"{'fwd' if c.phase == 'forward' else 'bwd'} {c.kind} {size}")
     kind_width = max(len(layer.kind) for layer in plan.tp_layers)
     rows = []
     for layer in plan.tp_layers:
-        extra = " (output, gathered)" if layer.output_layer else ""
+        extra = (" (output, vocabulary-parallel)" if layer.parallel_output else " (output, gathered)") if layer.output_layer else ""
         calls = f"; {'; '.join(by_layer.pop(layer.path))}" if layer.path in by_layer else ""
         rows.append(Row(layer.path, (f"{layer.kind:<{kind_width}} {layer.axis}  {layer.in_features} -> "
                                      f"{layer.out_features}{extra}{calls}", "layer")))

@@ -25,7 +25,7 @@ OPTIONS = frozenset({
     "zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
     "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
     "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload",
-    "verify", "verify_input", "tp_sum_grads",
+    "verify", "verify_input", "tp_sum_grads", "vocab_parallel_logits",
 })
 
 
@@ -115,15 +115,17 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
             ``optimizer_states`` < 0 or not an int; ``pp_axis`` not in the mesh;
             ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``;
             ``offload_ratio`` not a number in [0, 1]; a flag (``sequence_parallel``,
-            ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``, ``verify``) that is not a
-            bool; ``tp_sum_grads`` not a list of globs; ``verify_input`` not a tensor or a tuple of them;
+            ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``, ``verify``,
+            ``vocab_parallel_logits``) that is not a bool; ``vocab_parallel_logits=True`` on a mesh
+            with a pipeline axis; ``tp_sum_grads`` not a list of globs; ``verify_input`` not a tensor or a tuple of them;
             a seed (``dropout_seed``, ``init_seed``) that is not an int; ``fused`` not a dict
             from globs to ints >= 1 or to non-empty tuples of them.
     """
     unknown = sorted(set(options) - OPTIONS)
     if unknown:
         raise ShardingError(f"unknown plan option(s) {unknown}; valid options are {sorted(OPTIONS)}")
-    for flag in ("sequence_parallel", "broadcast_buffers", "optimizer_offload", "strict_specs", "verify"):
+    for flag in ("sequence_parallel", "broadcast_buffers", "optimizer_offload", "strict_specs", "verify",
+                 "vocab_parallel_logits"):
         if flag in options:
             _check_bool(flag, options[flag])
     for seed in ("dropout_seed", "init_seed"):
@@ -142,6 +144,11 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
     pp_axis = options.get("pp_axis", "pp" if "pp" in mesh_shape else None)
     if pp_axis is not None and pp_axis not in mesh_shape:
         raise ShardingError(f"pp_axis {pp_axis!r} is not an axis of the mesh {mesh_shape}")
+    if options.get("vocab_parallel_logits") and pp_axis is not None and mesh_shape[pp_axis] > 1:
+        raise ShardingError(
+            f"vocab_parallel_logits=True on the pipeline mesh {mesh_shape}: the last stage hands its logits to "
+            "forward_backward's criterion, which is given the whole vocabulary. Fix: vocab_parallel_logits=False "
+            "(models.gpt_preset() sets it: override it), or a mesh without a pipeline axis")
     offload_ratio = options.get("offload_ratio")
     if offload_ratio is not None:
         if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:

@@ -294,6 +294,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             Hugging Face reshapes by the full length); default: the output layer gathers.
         tp_sum_grads: globs of replicated parameters used on tensor-split activations, whose
             gradients are summed over the axis (the usual ones are found: tensor_rules).
+        vocab_parallel_logits: the LM head keeps its logits split, local ``(..., V // tp)``, for
+            ``vocab_parallel_cross_entropy`` (Megatron's ``parallel_output``); default False: gathered.
         verify: prove the tensor-parallel lowering exact on the model's own modules before
             lowering, else refuse (:mod:`shardlib.parallel.tensor_verify`); default True.
         verify_input: the positional arguments of a small forward for that check (the same on
@@ -438,7 +440,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
                 f"Fix: pass data_axes=({axis!r},) (or name it 'dp'), give it size 1, or shard parameters along it"
             )
 
-    roles, tp_layers = analyze_tensor_parallel(model, resolved, mesh_shape, data_axes, options.get("fused"))
+    roles, tp_layers = analyze_tensor_parallel(model, resolved, mesh_shape, data_axes, options.get("fused"),
+                                               options.get("vocab_parallel_logits", False))
     sequence_parallel = bool(options.get("sequence_parallel", False))
     if sequence_parallel and not any(layer.kind == "row" for layer in tp_layers):
         raise ShardingError(

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardlib
-from shardlib.errors import WorkerError
 from shardlib.mesh.launch import WorkerGroup
 from shardlib.parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardlib.spec import shard_range
@@ -324,3 +323,47 @@ def test_bad_arguments_raise(kwargs, match):
     mesh = shardlib.init_mesh({"tp": 1})
     with pytest.raises(ValueError, match=match):
         vocab_parallel_cross_entropy(torch.zeros(3, 37), torch.zeros(3, dtype=torch.long), mesh=mesh, **kwargs)
+
+
+# -- the fused path with exchanged widths (the CUDA dispatch, forced on CPU) ---------------------
+
+
+def _fused_exchanged_worker(full, target, eps):
+    """vocab_parallel_cross_entropy(vocab_size=None) through the fused autograd function (its
+    kernels run their torch references on CPU): ``lo`` and ``V`` are device tensors there, and
+    label smoothing reads ``V`` once in backward."""
+    from shardlib.parallel import cross_entropy as pce
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    lo, hi = shard_range(full.shape[-1], 2, mesh.index("tp"))
+    leaf = full[:, lo:hi].clone().requires_grad_()
+    original = pce._fused_applies
+    pce._fused_applies = lambda flat: flat.shape[1] > 0
+    try:  # the worker is reused by other tests: restore the dispatch
+        mesh.comm.reset()
+        loss = pce.vocab_parallel_cross_entropy(leaf * 1, target, label_smoothing=eps, mesh=mesh)
+        calls = mesh.comm.calls("tp")
+        loss.backward()
+    finally:
+        pce._fused_applies = original
+    return loss.detach(), leaf.grad, calls
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_path_with_exchanged_vocabulary_size(eps):
+    """The GPU dispatch with vocab_size=None on tp 2 (V = 37: 19 + 18), float64, against
+    F.cross_entropy on the full logits (rtol 1e-10): the width exchange plus the three
+    all-reduces, the global V and this rank's first id kept as device tensors."""
+    g = torch.Generator().manual_seed(11)
+    full = torch.randn(6, 37, generator=g, dtype=torch.float64) * 4
+    target = torch.randint(0, 37, (6,), generator=g)
+    target[1] = -100
+    ref = full.clone().requires_grad_()
+    want = F.cross_entropy(ref, target, label_smoothing=eps)
+    want.backward()
+    results = run_on(2, _fused_exchanged_worker, full, target, eps)
+    for loss, _, calls in results:
+        close(loss, want.detach(), 1e-10, f"eps={eps}: loss")
+        assert calls == 4
+    close(torch.cat([grad for _, grad, _ in results], dim=-1), ref.grad, 1e-10, f"eps={eps}: gradient")

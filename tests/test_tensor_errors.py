@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardlib import AbstractMesh, P, ShardingError, plan
+from shardlib.models import gpt_preset
 from shardlib.models.gpt import GPT, GPTConfig, tp_specs
 from shardlib.testing import run_on
 
@@ -192,6 +193,29 @@ CASES = [
          "lowers only Linear, Conv1D and Embedding weights", "Fix: leave it replicated"],
     ),
     (
+        "vocab-parallel-logits-without-output-layer",
+        lambda: plan(gpt(), TP2, tp_specs(), vocab_parallel_logits=True),  # lm_head tied to a replicated wte
+        ["vocab_parallel_logits=True keeps the logits of the output layer", "(a column-parallel Linear with no "
+         "row-parallel partner: the LM head)", "but GPT has none on the mesh {'tp': 2}",
+         "Fix: split the LM head by output features (P('tp', None) on its weight", "or drop vocab_parallel_logits"],
+    ),
+    (
+        "vocab-parallel-logits-without-output-layer:no-tp-layer",
+        lambda: plan(gpt(), AbstractMesh({"dp": 2}), None, vocab_parallel_logits=True),
+        ["but GPT has none on the mesh {'dp': 2} (no layer is tensor parallel)"],
+    ),
+    (
+        "vocab-parallel-logits-on-a-pipeline",
+        lambda: plan(gpt(n_layer=2), AbstractMesh({"pp": 2, "tp": 2}), gpt_preset().specs, **gpt_preset().options),
+        ["vocab_parallel_logits=True on the pipeline mesh {'pp': 2, 'tp': 2}", "forward_backward's criterion, which "
+         "is given the whole vocabulary", "Fix: vocab_parallel_logits=False (models.gpt_preset() sets it"],
+    ),
+    (
+        "vocab-parallel-logits-not-a-bool",
+        lambda: plan(gpt(), TP2, gpt_preset().specs, vocab_parallel_logits="yes"),
+        ["vocab_parallel_logits must be True or False, got 'yes' of type str"],
+    ),
+    (
         "embedding-with-max-norm-split",
         lambda: plan(nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)), TP2, {"0.weight": P("tp", None)}),
         ["0.weight of the embedding 0 is split over 'tp'", "['max_norm']", "Fix: leave this embedding replicated"],
@@ -225,6 +249,18 @@ def test_good_tensor_parallel_specs_plan(call):
     """The near misses of the cases above are accepted (the checks are not over-eager)."""
     p = call()
     assert p.tp_layers
+
+
+def test_gpt_preset_keeps_the_lm_head_logits_vocabulary_parallel():
+    """gpt_preset()'s option (Megatron's parallel_output): only the output layer, lm_head, keeps its
+    output split; without the option every output layer gathers, as before."""
+    for mesh, sp in ((TP2, False), (DP2_TP2, True)):
+        p = plan(gpt(), mesh, gpt_preset().specs, sequence_parallel=sp, **gpt_preset().options)
+        assert [layer.path for layer in p.tp_layers if layer.parallel_output] == ["lm_head"]
+        assert "lm_head               column tp  16 -> 37 (output, vocabulary-parallel)" in p.explain()
+    p = plan(gpt(), TP2, gpt_preset().specs)
+    assert not any(layer.parallel_output for layer in p.tp_layers)
+    assert [layer.path for layer in p.tp_layers if layer.output_layer] == ["lm_head"]
 
 
 def test_row_layer_bias_split_is_rejected():

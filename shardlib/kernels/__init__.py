@@ -31,7 +31,7 @@ from ._dispatch import enabled, set_enabled, triton_available, use_kernels, use_
 
 _LAZY = {
     "FusedAdamW": "adamw", "adamw_": "adamw", "adamw_reference_": "adamw", "CPU_BLOCK": "adamw",
-    "fused_ce_applies": "cross_entropy", "fused_vocab_parallel_ce": "cross_entropy",
+    "fused_ce_applies": "cross_entropy",
     "vocab_ce_grad_": "cross_entropy", "vocab_ce_stats": "cross_entropy",
     "layer_norm": "norms", "rms_norm": "norms", "norm_forward": "norms", "norm_backward": "norms",
 }

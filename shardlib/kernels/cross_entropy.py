@@ -8,8 +8,10 @@ Liger-Kernel's ``cross_entropy`` (Hsu et al., arXiv 2410.10989): each rank holds
    online max and rescaled sum of exponentials (Milakov & Gimelshein, arXiv 1805.02867), the
    target logit when the target falls in this slice, and (label smoothing) the sum of logits:
    four fp32 numbers per row.
-2. In torch, between kernels, the tensor-axis all-reduces of Megatron's algorithm: the global
-   max, the sum of exponentials rescaled to it, and the target logit / logit sum.
+2. Between the kernels, the tensor-axis all-reduces of Megatron's algorithm (the global max,
+   the sum of exponentials rescaled to it, the target logit / logit sum) are issued by the
+   strategy, :mod:`shardlib.parallel.cross_entropy`: these kernels compute on local tensors
+   only and never communicate.
 3. ``shardlib::vocab_ce_grad_`` (backward) overwrites the logits with
    ``g * (softmax - eps/V - (1 - eps) * onehot(target))`` row by row, so no second
    logits-sized tensor (and no fp32 copy of half-precision logits) is ever made.
@@ -27,12 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from ..mesh.collectives import raw_all_reduce
-from ..parallel.cross_entropy import loss_from_stats
 from ._dispatch import triton_available, use_triton
 
 __all__ = ["vocab_ce_stats", "vocab_ce_grad_", "vocab_ce_stats_reference", "vocab_ce_grad_reference_",
-           "fused_vocab_parallel_ce", "fused_ce_applies"]
+           "fused_ce_applies"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 4096
@@ -174,58 +174,6 @@ def _(logits, target_local, m, s, g, eps_over_v, one_minus_eps) -> None:
 
 
 def fused_ce_applies(logits: torch.Tensor) -> bool:
-    """Whether :func:`fused_vocab_parallel_ce` runs its Triton kernels on ``logits`` ``(N, V_local)``
+    """Whether :func:`shardlib.parallel.cross_entropy.fused_vocab_parallel_ce` runs these kernels on ``logits`` ``(N, V_local)``
     (kernels enabled, triton, CUDA or the forced interpreter, fp32/fp16/bf16, no empty dimension)."""
     return _kernel_ok(logits, contiguous=False)
-
-
-class _FusedVocabParallelCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, mesh, axis, lo, hi, vocab, ignore_index, eps, inplace):
-        valid = target != ignore_index
-        mine = valid & (target >= lo) & (target < hi)
-        target_local = torch.where(mine, target - lo, torch.full_like(target, -1))
-        m_local, s_local, xt, sx = vocab_ce_stats(logits, target_local, bool(eps))
-        m = m_local.clone()
-        raw_all_reduce(m, mesh, axis, op="max")
-        s = s_local * torch.exp(m_local - m)  # rescale this slice's sum to the global max
-        raw_all_reduce(s, mesh, axis)
-        # shifted by the global max, exactly the torch path's statistics: a rank with an empty
-        # vocabulary slice takes that path (no kernel for width 0) and the sums must agree
-        picked = torch.where(mine, xt - m, torch.zeros_like(xt))
-        stats = torch.stack([picked, sx - logits.shape[1] * m]) if eps else picked.unsqueeze(0)
-        raw_all_reduce(stats, mesh, axis)
-        loss = loss_from_stats(s.log(), stats, valid, eps, vocab)
-        ctx.save_for_backward(logits, target_local, m, s, valid)
-        ctx.eps, ctx.vocab, ctx.inplace = eps, vocab, inplace
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        logits, target_local, m, s, valid = ctx.saved_tensors
-        grad = logits if ctx.inplace else logits.clone()
-        vocab_ce_grad_(grad, target_local, m, s, (g * valid).to(m.dtype).contiguous(), ctx.eps / ctx.vocab, 1.0 - ctx.eps)
-        return grad, None, None, None, None, None, None, None, None, None
-
-
-def fused_vocab_parallel_ce(logits: torch.Tensor, target: torch.Tensor, mesh, axis: str, lo: int, hi: int,
-                            vocab: int, ignore_index: int, eps: float) -> torch.Tensor:
-    """Per-row loss of vocab-parallel cross-entropy through the fused kernels.
-
-    Args:
-        logits: ``(N, V_local)``, this rank's vocabulary slice ``[lo, hi)``.
-        target: int64 ``(N,)`` global class ids or ``ignore_index``.
-        mesh, axis: the mesh and tensor axis the vocabulary is split over.
-        vocab: the global vocabulary size ``V``.
-        eps: label smoothing.
-
-    Returns:
-        fp32 ``(N,)`` losses (0 for ignored targets). In backward the gradient is written into
-        ``logits``' own storage (as Liger-Kernel and Megatron's fused cross-entropy do), unless
-        ``logits`` is a leaf or a view of one, where a copy is written instead: do not read
-        the logits after backward on this path.
-    """
-    logits = logits.contiguous()  # a copy only for a strided view (then the copy takes the gradient)
-    root = logits._base if logits._base is not None else logits
-    inplace = root.grad_fn is not None
-    return _FusedVocabParallelCE.apply(logits, target, mesh, axis, lo, hi, vocab, ignore_index, float(eps), inplace)

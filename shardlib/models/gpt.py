@@ -14,6 +14,11 @@ written as plain specs on parameter names, with no change to this file:
 - the MLP is ``fc_in`` (column parallel) then ``fc_out`` (row parallel), and attention ends in
   ``o_proj`` (row parallel). :func:`tp_specs` spells this out.
 
+Sharded with ``vocab_parallel_logits=True`` (the default of :func:`shardlib.models.gpt_preset`),
+the LM head keeps its logits split over the vocabulary and the loss is
+:func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`, as in Megatron: the
+``(B, T, V)`` logits never exist on one rank during training.
+
 Shapes in comments: ``B`` batch, ``T`` sequence length, ``C`` width ``n_embd``, ``H`` heads,
 ``D`` head size ``C // H``, ``V`` vocabulary.
 """
@@ -28,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
+from ..parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..spec import P, PartitionSpec
 
 __all__ = ["GPTConfig", "GPT", "tp_specs"]
@@ -241,6 +247,10 @@ class GPT(nn.Module):
         Returns:
             ``(logits, loss)``: logits float ``(B, T, V)``; loss the mean cross-entropy over all
             ``B * T`` positions (a 0-dim tensor, nats per token), or None without targets.
+            Sharded with ``vocab_parallel_logits=True``: with targets, the loss is computed on
+            vocabulary-parallel logits and ``logits`` is this rank's slice ``(B, T, V // tp)``
+            (torch.chunk layout; the full ones are never formed); without targets the logits
+            are all-gathered, ``(B, T, V)`` on every rank (for evaluation and :meth:`generate`).
 
         Raises:
             ValueError: ``T`` is longer than ``block_size``.
@@ -256,9 +266,14 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)  # (B, T, C)
         x = self.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if targets is not None:
+        logits = self.lm_head(x)  # (B, T, V); sharded with vocab_parallel_logits: this rank's (B, T, V // tp)
+        head = self.lm_head
+        split = getattr(head, "parallel_output", False)  # a ColumnParallelLinear that keeps its slice
+        if targets is None:
+            return (head.gather(logits) if split else logits), None  # whoever asks for logits gets them all
+        if split:  # Megatron's parallel_output: max, sum of exponentials and target logit all-reduced, no gather
+            loss = vocab_parallel_cross_entropy(logits, targets, axis=head.axis, vocab_size=head.out_features, mesh=head.mesh)
+        else:
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 

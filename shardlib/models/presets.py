@@ -4,7 +4,9 @@ Each preset returns a :class:`Preset`, the specs plus the plan options the model
 ``shard(model, mesh, preset.specs, **preset.options, zero_stage=...)``. Layouts follow Megatron
 (arXiv 1909.08053): attention q/k/v and the first MLP projection(s) column parallel, the output
 projections row parallel, the embedding vocabulary parallel and tied (or not) to a
-column-parallel LM head whose logits are gathered for the model's own loss.
+column-parallel LM head. The reference GPT keeps the head's logits vocabulary-parallel into its
+loss (Megatron's way); a Hugging Face model's logits are gathered for the model's own loss
+(``ForCausalLMLoss`` reads the whole vocabulary).
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ class Preset:
 
 
 def gpt_preset(axis: str = "tp") -> Preset:
-    """:class:`shardlib.models.GPT`: Megatron layout plus a vocabulary-parallel tied embedding."""
+    """:class:`shardlib.models.GPT`: Megatron layout plus a vocabulary-parallel tied embedding.
+
+    Options: ``vocab_parallel_logits=True``, as Megatron keeps the logits split into its cross
+    entropy: the LM head's output stays ``(B, T, V // tp)`` and ``GPT.forward`` computes the loss
+    with :func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`, so no rank holds
+    the full logits (a call without targets still returns them gathered). A pipeline mesh
+    refuses the option (``forward_backward``'s criterion reads whole logits): pass
+    ``vocab_parallel_logits=False`` there.
+    """
     from .gpt import tp_specs
 
-    return Preset({**tp_specs(axis), "wte.weight": P(axis, None)})
+    return Preset({**tp_specs(axis), "wte.weight": P(axis, None)}, {"vocab_parallel_logits": True})
 
 
 def llama_preset(axis: str = "tp") -> Preset:

@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism: column/row parallel Linear, parallel embeddings, vocab-parallel loss.
+"""Megatron tensor parallelism: column/row parallel Linear, parallel embeddings.
 
 Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 Parallelism" (arXiv 1909.08053), section 3; sequence parallelism after Korthikanti et al.
@@ -30,7 +30,6 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ParallelEmbedding",
-    "vocab_parallel_cross_entropy",
     "sum_grad_over",
     "SharedInput",
 ]
@@ -81,7 +80,10 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
     """Sum ``param``'s gradient over ``axis`` as it is produced (a hook on the parameter).
 
     For parameters replicated over the tensor axis but used on sequence shards (norm weights,
-    row-layer biases under sequence parallelism): each rank's gradient is a partial sum.
+    row-layer biases under sequence parallelism): each rank's gradient is a partial sum. This
+    per-parameter, per-backward all-reduce serves the layers used by hand; a sharded module's
+    ZeRO runtime removes the hook and sums these gradients in buckets, once per step,
+    overlapped with the backward (:mod:`shardlib.parallel.tensor_grads`).
     """
     if mesh.size(axis) == 1 or getattr(param, "_shardlib_grad_sum", None) == axis:
         return
@@ -91,7 +93,7 @@ def sum_grad_over(param: nn.Parameter, axis: str, mesh: Mesh) -> None:
         raw_all_reduce(grad, mesh, axis)
         return grad
 
-    # the handle lets ZeRO take the sum over under mixed precision (done in reduce_dtype there)
+    # the handle lets ZeRO take the sum over (in buckets, in its reduction dtype: tensor_grads)
     param._shardlib_grad_sum_hook = param.register_hook(hook)
     param._shardlib_grad_sum = axis
 
@@ -166,7 +168,9 @@ class ColumnParallelLinear(nn.Module):
         bias: learnable bias, split like the output.
         axis: the tensor-parallel mesh axis.
         gather_output: all-gather the output to ``(..., out)`` (backward keeps the local slice);
-            default False: the output stays ``(..., out_local)`` for a following row layer.
+            default False: the output stays ``(..., out_local)`` for a following row layer, or,
+            for an LM head (``vocab_parallel_logits=True``), for
+            :func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`.
         sequence_parallel: the input is ``(B, T / tp, in)`` and is all-gathered along
             ``seq_dim`` (backward: reduce-scatter); ``seq_dim=None`` (default): dimension 1, or
             0 for a token-major ``(B * T / tp, in)`` input.
@@ -240,9 +244,21 @@ class ColumnParallelLinear(nn.Module):
                 kind, op = ("pvary", self.axis), lambda t: pvary(t, self.axis, mesh=self.mesh)
             x = self.shared_input.apply(x, kind, op) if self.shared_input is not None else op(x)
         y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
-        if self.gather_output:
-            y = gather_from_region(y, self.axis, -1, self.out_features, mesh=self.mesh)
-        return y
+        return self.gather(y) if self.gather_output else y
+
+    @property
+    def parallel_output(self) -> bool:
+        """Whether the output is this rank's slice ``(..., out_local)`` (not gathered): an LM
+        head's vocabulary-parallel logits (a model's loss reads this, as the reference GPT does)."""
+        return not self.gather_output
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """The whole output ``(..., out)`` from this rank's ``(..., out_local)`` (torch.chunk
+        layout): all-gathered over the axis; backward keeps the local slice. For a model that
+        gives full logits to a caller who asks for them (no loss computed)."""
+        if self.fused:
+            raise ValueError("a fused column layer's output blocks cannot be gathered into one tensor")
+        return gather_from_region(y, self.axis, -1, self.out_features, mesh=self.mesh)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {sum(w for _, w in self.pieces)}"

@@ -4,13 +4,16 @@ Megatron's analysis (arXiv 1909.08053 section 3; 2205.05198 section 4): a transf
 does two all-reduces of the activations ``(tokens, hidden)`` forward and two backward; with
 sequence parallelism each becomes an all-gather plus a reduce-scatter of the same payload, so
 the volume is unchanged. Every entry here is one collective of ``per_token * tokens`` elements
-(plus ``fixed`` elements, for gradient sums of replicated parameters), where ``tokens`` is the
-number of tokens in one micro-batch on one rank before any sequence split.
+per micro-batch, where ``tokens`` is the number of tokens in one micro-batch on one rank before
+any sequence split, or of ``fixed`` elements once per step: the buckets of gradient sums of
+replicated parameters (:mod:`shardlib.parallel.tensor_grads`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .tensor_grads import grad_sum_buckets
 
 __all__ = ["TPCollective", "tensor_parallel_collectives"]
 
@@ -20,9 +23,12 @@ class TPCollective:
     """One collective of a tensor-parallel layer per micro-batch.
 
     Attributes:
-        layer: module path. phase: ``"forward"`` or ``"backward"``. kind: collective kind.
-        axis: the tensor axis. per_token: payload elements per token. fixed: payload elements
-        independent of tokens (parameter gradients).
+        layer: module path (or what the collective serves). phase: ``"forward"`` or
+        ``"backward"``. kind: collective kind. axis: the tensor axis. per_token: payload
+        elements per token, per micro-batch. fixed: payload elements of a collective issued
+        once per step, independent of tokens (a bucket of parameter gradients). fp32: the
+        payload is in at least float32 whatever the activations' dtype (the statistics of
+        :func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`).
     """
 
     layer: str
@@ -31,6 +37,7 @@ class TPCollective:
     axis: str
     per_token: int
     fixed: int = 0
+    fp32: bool = False
 
     def payload(self, tokens: int) -> int:
         return self.per_token * tokens + self.fixed
@@ -62,7 +69,10 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
                             TPCollective(layer.path, "backward", "reduce_scatter", a, layer.in_features)]
                 else:
                     out.append(TPCollective(layer.path, "backward", "all_reduce", a, layer.in_features))
-                if layer.output_layer:
+                if layer.output_layer and layer.parallel_output:  # no gather: the loss's three all-reduces of a
+                    # number per token (vocab_parallel_cross_entropy without label smoothing, as the reference GPT)
+                    out += [TPCollective(layer.path, "forward", "all_reduce", a, 1, fp32=True)] * 3
+                elif layer.output_layer:
                     block = -(-layer.out_features // n)
                     out.append(TPCollective(layer.path, "forward", "all_gather", a, block * n))
         elif layer.kind == "row":
@@ -85,7 +95,9 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
         if plan.sp_exit:
             out += [TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden),
                     TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden)]
-        for p in plan.params:
-            if p.name in plan.sp_grad_params:
-                out.append(TPCollective(p.name, "backward", "all_reduce", a, 0, p.numel))
+    if plan.tp_layers:
+        a = plan.tp_layers[0].axis
+        for chunk, names, numel in grad_sum_buckets(plan):  # once per step, however many micro-batches
+            out.append(TPCollective(f"gradient sums of chunk {chunk} ({len(names)} parameters)", "backward", "all_reduce",
+                                    a, 0, numel))
     return out

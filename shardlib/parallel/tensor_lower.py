@@ -22,7 +22,8 @@ Lowering (after :mod:`tensor_rules` decided the roles):
    after the first has no entry: it receives the sequence shard);
 5. the parameters in ``plan.sp_grad_params`` (norm weights, row biases and every replicated
    parameter of the blocks under sequence parallelism; per-head norms inside split attention
-   without it) get their gradient summed over the tensor axis.
+   without it) get their gradient summed over the tensor axis: a hook per parameter here,
+   which the ZeRO runtime then replaces by bucketed sums (:mod:`.tensor_grads`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def lower_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> tuple[nn.Mo
             # after an SP exit the all-gather's backward (a reduce-scatter) sums the input gradients
             gathered = _parent_gathers(model, layer.group) if sp and layer.group else False
             new = ColumnParallelLinear.from_linear(
-                old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer,
+                old, mesh, axis, transposed=layer.transposed, gather_output=layer.output_layer and not layer.parallel_output,
                 sequence_parallel=sp, fused=layer.fused, shared_input=shared_input,
                 input_is_shared=bool(sp and (gathered or (layer.output_layer and plan.sp_exit))))
             if len(set(layer.fused)) == 1 and getattr(parent, "split_size", None) == layer.fused[0]:

@@ -17,7 +17,10 @@ have a column-parallel sibling (its input must arrive split); every other Linear
 row layer must be column parallel on the same axis (q/k/v, gate/up must agree); attention
 heads (and key/value heads under GQA) must divide by the axis size; norm weights are never
 split; a bias follows its weight. A column layer with no row sibling is an output layer (the
-language-model head): its output is all-gathered, or kept vocabulary-parallel on request.
+language-model head): its output is all-gathered, or kept vocabulary-parallel on request
+(``vocab_parallel_logits=True``: the local ``(..., V // tp)`` slice, for
+:func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`, Megatron's
+``parallel_output``; a plan with no output layer to keep split is refused).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class TPLayer:
         axis: the tensor mesh axis.
         in_features, out_features: global sizes (embeddings: vocabulary, dim).
         transposed: the weight is stored ``[in, out]`` (Hugging Face ``Conv1D``).
-        output_layer: a column layer with no row partner; its output is gathered.
+        output_layer: a column layer with no row partner; its output is gathered, unless
+        parallel_output: (an output layer under ``vocab_parallel_logits=True``) its output stays
+            split over the axis, this rank's ``(..., out_local)`` slice of the vocabulary.
         group: the parent module whose input is shared by this group of column layers.
         fused: the global sizes of the blocks the output concatenates (GPT-2's ``c_attn``:
             q, k, v ``(C, C, C)``; Phi-3's ``qkv_proj`` under GQA ``(H*hd, KV*hd, KV*hd)``), each
@@ -63,6 +68,7 @@ class TPLayer:
     output_layer: bool = False
     group: str = ""
     fused: tuple[int, ...] = ()
+    parallel_output: bool = False
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -109,7 +115,7 @@ def head_counts(m: nn.Module) -> tuple[int | None, int | None, int | None]:
 
 def analyze_tensor_parallel(
     model: nn.Module, specs: dict[str, tuple[PartitionSpec, str]], mesh_shape: dict[str, int], data_axes: tuple[str, ...],
-    fused: dict[str, int | tuple[int, ...]] | None = None,
+    fused: dict[str, int | tuple[int, ...]] | None = None, vocab_parallel_logits: bool = False,
 ) -> tuple[dict[str, str], list[TPLayer]]:
     """Decide the tensor-parallel role of every parameter and module; check the structure.
 
@@ -122,6 +128,7 @@ def analyze_tensor_parallel(
             several projections: a number of equal blocks (``{"*.attn.c_attn": 3}`` for GPT-2) or
             their sizes (``{"*.self_attn.qkv_proj": (64, 16, 16)}`` for Phi-3 with 4 query and 1
             key/value head of 16).
+        vocab_parallel_logits: keep the output layers' outputs split (:attr:`TPLayer.parallel_output`).
 
     Returns:
         ``({param name: role}, [TPLayer])``; roles are ``"column"``, ``"row"``, ``"vocab"``,
@@ -261,8 +268,16 @@ def analyze_tensor_parallel(
                             "or replicate the attention projections"
                         )
         final += [TPLayer(g.path, g.kind, g.axis, g.in_features, g.out_features, g.transposed,
-                          output_layer=(g.kind == "column" and not rows), group=parent if rows else "", fused=g.fused)
+                          output_layer=(g.kind == "column" and not rows), group=parent if rows else "", fused=g.fused,
+                          parallel_output=bool(vocab_parallel_logits and g.kind == "column" and not rows))
                   for g in group]
+    if vocab_parallel_logits and not any(layer.parallel_output for layer in final):
+        raise ShardingError(
+            f"vocab_parallel_logits=True keeps the logits of the output layer (a column-parallel Linear with no row-parallel "
+            f"partner: the LM head) split over the tensor axis, but {type(model).__name__} has none on the mesh "
+            f"{mesh_shape}{' (no layer is tensor parallel)' if not final else ''}. Fix: split the LM head by output "
+            "features (P('tp', None) on its weight, or tie it to a vocabulary-parallel embedding), or drop "
+            "vocab_parallel_logits")
     return roles, final
 
 

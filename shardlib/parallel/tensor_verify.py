@@ -50,7 +50,8 @@ from ..mesh.collectives import raw_all_reduce
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
 from .tensor_rules import head_counts, is_attention, region_blocks, split_param_names
 from .tensor_verify_inputs import (SEED, capture_inputs, first_float, float_outputs, inside, join, put_first_float,
-                                   rel, rel_error, run_device, sample_input, split_seq, tree_map)
+                                   rel, rel_error, run_device, sample_input, split_seq, tree_map, vocab_local,
+                                   vocab_slices)
 
 __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 
@@ -293,7 +294,9 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
         grads, _ = lower_tensor_parallel(grads, SimpleNamespace(**{**vars(mini), "sp_grad_params": ()}), mesh)
         x_s, y_s = run(shd, unit.split_in)
-        cots_s = [split_seq(c, n, index) if unit.split_out and i == 0 else c for i, c in enumerate(cots)]
+        vocab = vocab_slices(mini, n, index)
+        cots_s = [vocab_local(split_seq(c, n, index) if unit.split_out and i == 0 else c, y, vocab)
+                  for i, (c, y) in enumerate(zip(cots, y_s))]
         shapes = [tuple(c.shape) for c in cots_s]
         if [tuple(y.shape) for y in y_s] != shapes:
             raise RuntimeError(f"output shapes {[tuple(y.shape) for y in y_s]}, expected {shapes} (only the first output "
@@ -304,8 +307,8 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     except Exception as exc:
         what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
-    out = [(checks[i][0], rel_error(y, split_seq(r, n, index) if unit.split_out and i == 0 else r), None)
-           for i, (y, r) in enumerate(zip(y_s, y_ref))]
+    out = [(checks[i][0], rel_error(y, vocab_local(split_seq(r, n, index) if unit.split_out and i == 0 else r, y, vocab)),
+            None) for i, (y, r) in enumerate(zip(y_s, y_ref))]
     gx = None if x_ref is None or x_ref.grad is None else (split_seq(x_ref.grad, n, index) if unit.split_in else x_ref.grad)
     out.append(("input gradient", rel_error(x_s.grad if x_s is not None else None, gx), None))
     floor = 1e-3 * scale
@@ -400,6 +403,7 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     mini = _unit_plan(plan, unit)
     mini.sp_grad_params = ()
     shd, _ = lower_tensor_parallel(copy.deepcopy(ref), mini, mesh)
+    vocab = vocab_slices(mini, n, index)
     out = {}
     for module, split in ((ref, False), (shd, unit.split_in)):
         args, kwargs = tree_map(lambda x: x.to(dtype).clone() if x.is_floating_point() else x, unit.inputs)
@@ -413,7 +417,7 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
             shard_out = split and unit.split_out and i == 0
             cot = torch.randn(y.shape if not shard_out else (y.shape[0], y.shape[1] * n) + tuple(y.shape[2:]),
                               generator=g, dtype=torch.float64).to(y.device, y.dtype)
-            loss = loss + (y * (split_seq(cot, n, index) if shard_out else cot)).sum()
+            loss = loss + (y * vocab_local(split_seq(cot, n, index) if shard_out else cot, y, vocab)).sum()
         loss.backward()
     want = dict(ref.named_parameters())
     have = dict(shd.named_parameters())

@@ -19,7 +19,8 @@ from ..errors import ShardingError
 from ..spec import shard_range
 
 __all__ = ["SEED", "sample_length", "sample_input", "capture_inputs", "tree_map", "run_device", "inside", "rel",
-           "join", "split_seq", "first_float", "put_first_float", "float_outputs", "rel_error"]
+           "join", "split_seq", "vocab_slices", "vocab_local", "first_float", "put_first_float", "float_outputs",
+           "rel_error"]
 
 SEED = 20261201
 
@@ -214,6 +215,20 @@ def join(a: str, b: str) -> str:
 def split_seq(x: torch.Tensor, n: int, index: int, dim: int = 1) -> torch.Tensor:
     lo, hi = shard_range(x.shape[dim], n, index)
     return x.narrow(dim, lo, hi - lo)
+
+
+def vocab_slices(mini: Any, n: int, index: int) -> dict[int, tuple[int, int]]:
+    """``{V: (lo, hi)}``: this rank's slice of each output layer kept vocabulary-parallel."""
+    return {l.out_features: shard_range(l.out_features, n, index) for l in mini.tp_layers if l.parallel_output}
+
+
+def vocab_local(ref: torch.Tensor, y: torch.Tensor, vocab: dict[int, tuple[int, int]]) -> torch.Tensor:
+    """``ref`` (unsharded), or its slice of the vocabulary where the sharded output ``y`` is an
+    output layer's vocabulary-parallel logits (last dimension this rank's width of ``V``)."""
+    if not ref.dim() or not y.dim() or ref.shape[-1] not in vocab:
+        return ref
+    lo, hi = vocab[ref.shape[-1]]
+    return ref.narrow(-1, lo, hi - lo) if y.shape[-1] == hi - lo != ref.shape[-1] else ref
 
 
 def first_float(args, kwargs):

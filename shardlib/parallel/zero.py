@@ -42,6 +42,7 @@ from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, ra
 from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
 from .gather import ParameterGathering
+from .tensor_grads import TensorGradSums
 
 __all__ = ["ZeroRuntime"]
 
@@ -101,19 +102,15 @@ class ZeroRuntime(ParameterGathering):
             for prm, off in chunk.params:
                 self.param_chunk[id(prm)] = chunk
                 self.param_offset[id(prm)] = off
+        # gradients summed over a tensor axis (norm weights under sequence parallelism) are taken
+        # from their per-parameter hooks and summed in buckets, in the reduction dtype (tensor_grads)
+        self._tp_sums = TensorGradSums.take_over(self.chunks, mesh)
         # stage 0 (one dtype): each parameter's gradient is a view into its chunk's gradient buffer
         self._grad_views: dict[int, torch.Tensor] = {}
         for chunk in self.chunks if self.stage == 0 else ():
             for prm, off in chunk.params if chunk.trainable and not chunk.mixed else ():
-                self._grad_views[id(prm)] = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
-        self._tp_grad_sum: dict[int, str] = {}  # id(param) -> tensor axis its gradient is summed over
-        for chunk in self.chunks:
-            for prm, _ in chunk.params if chunk.mixed and chunk.trainable else ():
-                handle = getattr(prm, "_shardlib_grad_sum_hook", None)
-                if handle is not None:  # summed here instead, in the reduction dtype
-                    handle.remove()
-                    prm._shardlib_grad_sum_hook = None
-                    self._tp_grad_sum[id(prm)] = prm._shardlib_grad_sum
+                if prm not in self._tp_sums:  # (their gradient goes to the bucket, the sum into the chunk)
+                    self._grad_views[id(prm)] = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
         self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
         self._next_reduce = 0
         self._callback_queued = False
@@ -182,11 +179,10 @@ class ZeroRuntime(ParameterGathering):
                 self._backward_touch(chunk)
             self._begin_accumulation(chunk)
             grad = prm.grad.reshape(-1)
-            axis = self._tp_grad_sum.get(key)
-            if axis is not None:  # replicated over a tensor axis, a partial sum on each rank
-                grad = grad.to(chunk.ensure_grad_full().dtype, copy=True)
-                raw_all_reduce(grad, self.mesh, axis)
-            chunk.accumulate(prm, self.param_offset[key], grad)
+            if prm in self._tp_sums:  # a partial sum on each tensor rank: into its bucket, summed before the reduction
+                self._tp_sums.add(prm, grad, launch=self.sync)
+            else:
+                chunk.accumulate(prm, self.param_offset[key], grad)
             prm.grad = None
         chunk.ready.add(key)
         if len(chunk.ready) == chunk.n_trainable:
@@ -244,6 +240,7 @@ class ZeroRuntime(ParameterGathering):
         self._begin_accumulation(chunk)  # stage 1: no gradient reached it since its last reduction
         self._adopt_grads(chunk)
         chunk.ensure_grad_full()
+        self._tp_sums.flush(chunk)
         chunk.settle_full()
         if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
             if self.stage == 0:
@@ -296,6 +293,7 @@ class ZeroRuntime(ParameterGathering):
     def _end_backward(self) -> None:
         self._callback_queued = False
         self.unsynced = not self.sync
+        self._tp_sums.end_backward()
         if self.sync:
             self._launch_ready(force=True)
             for chunk in self.chunks:
@@ -324,6 +322,7 @@ class ZeroRuntime(ParameterGathering):
         off = self.param_offset[id(prm)]
         self._begin_accumulation(chunk)
         chunk.ensure_grad_full()
+        self._tp_sums.flush(chunk)
         chunk.settle_full()
         return chunk.grad_full[off : off + prm.numel()]
 
@@ -352,6 +351,7 @@ class ZeroRuntime(ParameterGathering):
             chunk.carry, chunk.reduced = None, False
             for prm, _ in chunk.params if self._grad_views and not chunk.mixed else ():
                 prm.grad = None
+        self._tp_sums.zero_grad()
         self.unsynced = False  # gradients accumulated under no_sync() are gone: step() may run
 
     def settle_grads(self) -> None:
