@@ -48,6 +48,13 @@ def _in_this_process() -> dict:
             out[name] = dry_run(config, {"dp": 2, "tp": 2}, 3, sequence_parallel=True, **kw).to_json()
         except Exception as exc:  # noqa: BLE001 - reported to the test
             out[name] = f"{type(exc).__name__}: {exc}"
+    from shardlib.models import tp_specs
+
+    try:  # blocks split, embedding and head replicated (benchmarks/tensor_parallel.py's layout)
+        out["gpt_sp_replicated_head"] = dry_run(config, {"dp": 2, "tp": 2}, 3, zero_stage=1, dtype="fp32",
+                                                specs=tp_specs("tp"), sequence_parallel=True).to_json()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["gpt_sp_replicated_head"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -91,6 +98,18 @@ def test_dry_run_of_sequence_parallel_gpt_with_vocab_parallel_logits(runs, case)
     act = {"gpt_sp_fp32": 4, "gpt_sp_bf16": 2}[case]
     assert r["tokens"] == 16
     assert r["comm_measured"]["tp/all_reduce"] == [1 + 3 + 1, 16 * 64 * act + 3 * 16 * 4 + 896 * 4]
+
+
+def test_sequence_parallel_exit_before_a_replicated_head_is_planned_as_sent(runs):
+    """The SP exit before replicated layers all-gathers forward and keeps its slice backward
+    (nothing sent): the plan's cost model counted a backward reduce-scatter there, 16 x 64 fp32
+    bytes more than sent (the benchmark's tp+sp row: 0.375 MB at 10.8M). Counted == planned."""
+    r = runs["gpt_sp_replicated_head"]
+    assert isinstance(r, dict), r
+    assert r["comm_measured"] == r["comm_planned"]
+    # per layer 2 all-gathers + 2 reduce-scatters forward and backward (column/row pairs), the entry's
+    # backward all-gather and the exit's forward all-gather: 2 x 4 + 2 calls of each 16 x 64 tokens
+    assert r["comm_measured"]["tp/reduce_scatter"][0] == 2 * 2 * 2, r["comm_measured"]
 
 
 if __name__ == "__main__":  # the fresh process of the runs fixture

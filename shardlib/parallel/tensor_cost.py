@@ -92,9 +92,10 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
                       plan.tp_layers[0].out_features)  # a pipeline stage of embeddings only: their width
         if plan.sp_entry is not None:  # None: a pipeline stage whose input arrives split
             out.append(TPCollective(plan.sp_entry, "backward", "all_gather", a, hidden))
-        if plan.sp_exit:
-            out += [TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden),
-                    TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden)]
+        if plan.sp_exit:  # as tensor_lower lowers it: the backward reduce-scatter only before a
+            out.append(TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden))  # TP output layer
+            if any(layer.output_layer for layer in plan.tp_layers):
+                out.append(TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden))
     if plan.tp_layers:
         a = plan.tp_layers[0].axis
         for chunk, names, numel in grad_sum_buckets(plan):  # once per step, however many micro-batches
