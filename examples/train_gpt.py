@@ -189,12 +189,15 @@ def sample_text(args, state: dict, n_bytes: int) -> str:
     return bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
 
 
-def specs_for(mesh, args) -> dict:
+def specs_for(mesh, args) -> tuple[dict, dict]:
     """Megatron tensor-parallel specs (and a vocabulary-parallel tied embedding) when the mesh has
-    a ``tp`` axis; ZeRO handles the data axes. The planner checks heads against the axis size."""
+    a ``tp`` axis, and the preset's options: the logits stay vocabulary-parallel into the loss
+    (Megatron's layout), except on a pipeline mesh, whose criterion reads whole logits. ZeRO
+    handles the data axes. The planner checks heads against the axis size."""
     if "tp" not in mesh.axis_names:
-        return {}
-    return gpt_preset("tp").specs
+        return {}, {}
+    preset = gpt_preset("tp")
+    return preset.specs, ({} if mesh.shape.get("pp", 1) > 1 else dict(preset.options))
 
 
 @torch.no_grad()
@@ -311,11 +314,12 @@ def main(argv=None) -> int:
 
     corpus = load_data(args)
     model = build_model(args).to(device)
-    specs = specs_for(mesh, args)
+    specs, preset_options = specs_for(mesh, args)
     if is_main:
         print(corpus)
         print(f"model: {model.num_params():,} parameters, mesh {mesh.shape}, ZeRO stage {args.zero_stage}")
-    options = dict(zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel, dropout_seed=args.seed)
+    options = dict(zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel, dropout_seed=args.seed,
+                   **preset_options)
     pipelined = mesh.shape.get("pp", 1) > 1
     if pipelined:  # stages over pp, each sharded over the other axes
         options.update(schedule=args.schedule, microbatches=args.microbatches)
