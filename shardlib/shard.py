@@ -15,6 +15,7 @@ from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .lowering import refuse_lowered, register_lowering
+from .mesh.checks import check_on_device
 from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
 from .state_names import StateName, model_state_names
@@ -297,8 +298,21 @@ def _check_step_args(fn: str, x: Any, criterion: Any, labels: Any) -> None:
                         "Fix: labels=(y,)")
 
 
+def _check_device(model: nn.Module, plan, mesh) -> None:
+    """On a mesh of several ranks, every parameter and buffer must be on ``mesh.device`` (its
+    values, activations and gradients reach collectives: NCCL takes CUDA tensors only); a model
+    built on meta for ``shard()`` to materialize may be on meta. Refused before the tensor-parallel
+    check at ``shard()``, the first thing that communicates."""
+    if mesh.size() == 1:
+        return
+    tensors = [(f"parameter '{n}'", p) for n, p in model.named_parameters()]
+    tensors += [(f"buffer '{n}'", b) for n, b in model.named_buffers()]
+    check_on_device(tensors, mesh, f"{type(model).__name__} (sharded on {mesh.shape})", allow_meta=True)
+
+
 @register_lowering(Plan)
 def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
+    _check_device(model, plan, plan.mesh)
     report = verify_tensor_parallel(model, plan, plan.mesh)  # refuses what it cannot prove exact, before anything moves
     smodel = ShardedModule(model, plan)
     smodel.verification = report
@@ -310,6 +324,7 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     """Cut ``model`` where the plan cut it, keep this rank's stage, shard it by its stage plan."""
     from .parallel.pipeline import partition
 
+    _check_device(model, pplan.whole, pplan.mesh)
     report = verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))

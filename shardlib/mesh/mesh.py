@@ -19,6 +19,7 @@ from typing import Union
 import numpy as np
 
 from ..errors import ShardingError
+from .checks import env_flag
 from .comm import CommCounter
 
 __all__ = ["AbstractMesh", "Mesh", "init_mesh", "current_mesh", "default_timeout", "nccl_environment"]
@@ -285,7 +286,7 @@ class Mesh(AbstractMesh):
         self.comm = CommCounter()
         self.backend = dist.get_backend() if dist.is_initialized() else "gloo"
         self.device = _comm_device(self.backend)
-        self.native = self.backend != "gloo" or os.environ.get("SHARDLIB_NATIVE_COLLECTIVES", "0") not in ("", "0")
+        self.native = self.backend != "gloo" or env_flag("SHARDLIB_NATIVE_COLLECTIVES")
         from .watchdog import process_watchdog
 
         self.trace, self.watchdog = process_watchdog(self)

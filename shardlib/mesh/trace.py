@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from .checks import env_flag
+
 __all__ = ["Trace", "SLOTS", "read_trace_file", "trace_path", "format_record", "signature", "is_library", "main"]
 
 SLOTS = 512
@@ -205,7 +207,7 @@ class Trace:
         self.rank, self.pid, self.host = rank, os.getpid(), socket.gethostname()
         self.seq, self.step, self.status = 0, 0, "running"
         self.waiting = None
-        self.check = os.environ.get("SHARDLIB_CHECK_COLLECTIVES", "0") not in ("", "0")
+        self.check = env_flag("SHARDLIB_CHECK_COLLECTIVES")
         self._gseq: dict[str, int] = {}
         self._labels: dict = {}
         self._sites: dict = {}

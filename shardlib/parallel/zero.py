@@ -84,7 +84,6 @@ class ZeroRuntime(ParameterGathering):
         self.unsynced = False  # the last backward ran inside no_sync()
         self.reduce_channel = _REDUCE if self.stage == 3 else 0
         if self.n > 1:
-            self._check_devices(by_name, model_name or type(model).__name__)
             mesh.group(self.axes, self.reduce_channel)  # created now, collectively, on every rank
         # Same starting values on every rank (DDP broadcasts at construction too).
         if self.n > 1:
@@ -124,23 +123,6 @@ class ZeroRuntime(ParameterGathering):
             self._setup_stage3()
 
     # -- set-up helpers ------------------------------------------------------------------------
-    def _check_devices(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
-        """Every parameter (its chunk is allocated where it is) and buffer ZeRO communicates
-        must be on the mesh's device (NCCL takes CUDA tensors only): refused here, on every
-        rank, before the first broadcast."""
-        want = self.mesh.device
-        tensors = [(f"parameter '{pp.name}'", by_name[pp.name]) for pp in self.plan.params]
-        tensors += [(f"buffer '{n}'", b) for n, b in self.model.named_buffers()]
-        for what, t in tensors:
-            if t.device != want:
-                from ..errors import ShardingError
-
-                raise ShardingError(
-                    f"{what} of {model_name} (shape {tuple(t.shape)}) is on {t.device}, but the mesh {self.mesh.shape} "
-                    f"communicates on {want} (backend {self.mesh.backend}), where ZeRO over {'+'.join(self.axes)} "
-                    f"broadcasts and reduces it. Fix: move the model there first (model.to({str(want)!r})), or build "
-                    "it on meta and let shard() materialize it")
-
     def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
         """Give every parameter the message it raises with while its chunk is freed."""
         over = ", ".join(f"{a}={self.mesh.size(a)}" for a in self.axes)

@@ -1,7 +1,6 @@
-"""Defects found while trying to break issue 15's work (review branch h-break).
-
-Each test is ``xfail(strict=True)``: it reproduces a defect on today's main and will start to
-pass (and so fail the run, as strict xfail does) once the defect is fixed; then drop the marker.
+"""On/off environment variables read as words, and a model off the mesh's device refused
+before anything communicates (issue 15; found by a review that tried to break it: both failed
+before the fix, at 8ed393d too).
 """
 
 import pytest
@@ -32,15 +31,22 @@ def _native_for(value: str):
             os.environ["SHARDLIB_NATIVE_COLLECTIVES"] = old
 
 
-@pytest.mark.xfail(strict=True, reason="mesh.py:288 treats every value but '' and '0' as on: 'false', 'off' and "
-                                       "'no' force the native collectives on gloo, silently (SHARDLIB_KERNELS in "
-                                       "kernels/_dispatch.py reads the same words as off, and warns on others)")
 @pytest.mark.parametrize("value", ["false", "off", "no"])
 def test_native_collectives_variable_read_as_off_or_refused(value):
     """A user who writes SHARDLIB_NATIVE_COLLECTIVES=false gets the exchange branch (native
-    False), or an error naming the variable; today native is True."""
+    False); it used to be True (every value but "" and "0" was on)."""
     got = _native_for(value)
-    assert got is False or (isinstance(got, str) and "SHARDLIB_NATIVE_COLLECTIVES" in got), got
+    assert got is False, got
+
+
+@pytest.mark.parametrize("value", ["1", "true", " ON ", "yes"])
+def test_native_collectives_variable_read_as_on(value):
+    assert _native_for(value) is True
+
+
+def test_a_flag_value_not_understood_is_refused_naming_the_variable():
+    got = _native_for("maybe")
+    assert "SHARDLIB_NATIVE_COLLECTIVES='maybe' is not understood" in got and "'true'" in got, got
 
 
 # -- 2. a model off mesh.device on a tensor-parallel mesh is not refused before communicating ------
@@ -63,16 +69,11 @@ def _tp_off_device_worker(shape):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="only ZeRO checks devices (parallel/zero.py _check_devices, at ZeroRunner "
-                                       "construction); shard.py:302 runs verify_tensor_parallel first, whose "
-                                       "all-reduce (tensor_verify.py:141-143) takes a tensor on the model's device, "
-                                       "so a CPU model on an NCCL tp mesh reaches a collective: on meta it dies in "
-                                       "check mode's fingerprint (NotImplementedError: Cannot copy out of meta tensor)")
 @pytest.mark.parametrize("shape", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["tp2", "dp2xtp2"])
 def test_tensor_parallel_model_off_the_mesh_device_is_refused_before_any_collective(shape):
     """As test_nccl_paths' ZeRO case: a CPU model on a mesh that communicates elsewhere is
     refused on every rank with a ShardingError naming the parameter and both devices, with no
-    collective issued. Today the tensor-parallel proof at shard() communicates first."""
+    collective issued. Before the fix the tensor-parallel proof at shard() communicated first."""
     world = 1
     for size in shape.values():
         world *= size
