@@ -349,7 +349,8 @@ class PipelineRunner:
         if criterion is None and any(a.stage == last for a in self.actions):
             raise ShardingError("forward_backward: the last stage needs criterion=, a function (output, *labels) -> loss")
         dev = x.device.type
-        sig = (tuple(x.shape), x.dtype, backward, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        cast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)  # meta (a dry run) has none
+        sig = (tuple(x.shape), x.dtype, backward, cast, torch.get_autocast_dtype(dev) if cast else None)
         shapes = self.shapes.get(sig)
         handshake = shapes is None and not self.fake
         if self.mesh.trace.check and not self.fake:
