@@ -154,7 +154,7 @@ def test_bad_programs_and_arguments_are_named():
 
 
 def test_header_limits_are_named():
-    from shardlib.parallel.pipeline import _dtype_id, _header
+    from shardlib.parallel.p2p_run import _dtype_id, _header
 
     with pytest.raises(ShardingError, match="a stage output of dtype torch.complex64 cannot be sent"):
         _dtype_id(torch.complex64)

@@ -32,14 +32,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
-from ..mesh.guard import post, wait_works
 from ..random import MicrobatchDropout
 from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, transfer_program
+from .p2p_run import Transfers
 from .schedules import build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
@@ -205,6 +204,7 @@ class PipelineRunner:
         self.training = True
         self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
         self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
+        self.transfers = Transfers(mesh, axis, self.fake)
 
     def program(self, training: bool, handshake: bool) -> tuple:
         """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
@@ -213,110 +213,6 @@ class PipelineRunner:
             sched = self.schedule if training else [[a for a in acts if a.kind == "F"] for acts in self.schedule]
             self._programs[key] = (sched[self.rank], transfer_program(sched, self.rank, handshake))
         return self._programs[key]
-
-    # -- point to point ----------------------------------------------------------------------
-    def _trace(self, kind: str, t: torch.Tensor, msg: Message, peer: int) -> dict:
-        trace = self.mesh.trace
-        return trace.record(kind, trace.label(self.mesh, (self.axis,), 0), t.shape, t.dtype,
-                            f"{msg.kind} of stage {msg.stage} microbatch {msg.microbatch} of "
-                            f"{'a training step' if self.training else 'evaluate'} "
-                            f"{'to' if kind == 'send' else 'from'} rank {peer}")
-
-    def _post(self, ins: Post, outbox: dict, inbox: dict, shapes: dict, tag: int, batches: dict) -> None:
-        """Post one batch: ``ins.sends`` from ``outbox``, ``ins.recvs`` into fresh buffers on
-        the mesh's device put in ``inbox`` (zeros on a fake group, where nothing arrives)."""
-        device = self.mesh.device
-        ops, slots, recs = [], [], []
-        for msg in ins.sends:
-            dst = self.ranks[msg.dst_stage % self.p]
-            if msg.header:
-                t = _header(outbox[Message(msg.kind, msg.stage, msg.microbatch)], device)
-            else:
-                t = outbox.pop(msg)
-                self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
-            recs.append(self._trace("send", t, msg, dst))
-            ops.append(dist.P2POp(dist.isend, t, dst, self.group, tag))
-            slots.append(None)
-        alloc = torch.zeros if self.fake else torch.empty
-        for msg in ins.recvs:
-            src = self.ranks[msg.stage % self.p]
-            if msg.header:
-                buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            else:
-                shape, dtype = shapes[("in" if msg.kind == ACTIVATION else "out", msg.dst_stage)]
-                buf = alloc(shape, dtype=dtype, device=device)
-            recs.append(self._trace("recv", buf, msg, src))
-            ops.append(dist.P2POp(dist.irecv, buf, src, self.group, tag))
-            slots.append(msg)
-            inbox[msg] = buf
-        if self.fake:  # torch's batch_isend_irecv takes no meta tensors (a dry run); one by one is what it does on gloo
-            works = [post(self.mesh, op.op, op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
-        else:
-            works = post(self.mesh, dist.batch_isend_irecv, ops)
-        batches[ins.batch] = _Batch(works, slots, recs)
-
-    def _wait(self, batch: "_Batch", msg: Message | None) -> None:
-        """Wait for the work that carries ``msg`` (every work of the batch where the backend made
-        one for the whole batch, as NCCL does; ``None``: all that is left)."""
-        if msg is None or len(batch.works) != len(batch.slots):
-            todo = [i for i in range(len(batch.works)) if i not in batch.waited]
-        else:
-            todo = [batch.slots.index(msg)]
-        todo = [i for i in todo if i not in batch.waited]
-        if todo:
-            rec = batch.recs[todo[0] if msg is None else batch.slots.index(msg)]
-            wait_works(self.mesh, [batch.works[i] for i in todo], rec, True)
-            batch.waited.update(todo)
-
-    def _wait_rest(self, batches: dict) -> None:
-        left = [(b, i) for b in batches.values() for i in range(len(b.works)) if i not in b.waited]
-        if left:
-            wait_works(self.mesh, [b.works[i] for b, i in left], left[0][0].recs[left[0][1]], True)
-            for b, i in left:
-                b.waited.add(i)
-
-    def _outbox(self, outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -> None:
-        """Queue ``out`` (stage ``msg.stage``'s output) to be sent; its shape is the one every
-        microbatch of this signature has (recorded from the first, and the size of the
-        receiver's buffers and of this stage's gradient receives).
-
-        Raises:
-            ShardingError: an output whose shape or dtype differs from the first microbatch's."""
-        t = out.detach().contiguous()
-        key, got = ("out", msg.stage), (tuple(t.shape), t.dtype)
-        have = shapes.setdefault(key, got)
-        if have != got:
-            raise ShardingError(
-                f"pipeline step: stage {msg.stage}'s output for microbatch {msg.microbatch} has shape {got[0]} "
-                f"({str(got[1]).replace('torch.', '')}), but this input signature's first microbatch gave {have[0]} "
-                f"({str(have[1]).replace('torch.', '')}). Transfers between stages are sized once per input shape, so "
-                "a stage's output shape may depend on the shape of its input but not on the data. Fix: make the "
-                "layer at the end of this stage return a fixed shape (pad it), or cut the stages elsewhere")
-        outbox[msg] = t
-
-    def _check_signature(self, sig: tuple, handshake: bool) -> None:
-        """Check mode: every pipeline rank runs the same kind of step on the same input shape
-        (its transfers are sized by it), before any transfer."""
-        shape, dtype, training = sig[0], sig[1], sig[2]
-        mine = torch.tensor([int(training), int(handshake), len(shape), *shape, *([-1] * (8 - len(shape))),
-                             _dtype_id(dtype), int(sig[3])], dtype=torch.int64, device=self.mesh.device)
-        rows = torch.empty(self.p * mine.numel(), dtype=torch.int64, device=self.mesh.device)
-        rec = self.mesh.trace.record("all_gather", self.mesh.trace.label(self.mesh, (self.axis,), 0), mine.shape,
-                                     mine.dtype, "the pipeline step's input signature (check mode)")
-        work = post(self.mesh, dist.all_gather_into_tensor, rows, mine, group=self.group, async_op=True)
-        wait_works(self.mesh, [work], rec, False)
-        rows = rows.view(self.p, -1).tolist()
-        # training or evaluation is left to the tags (see the class doc); what sizes the transfers must agree
-        if any(r[1:] != rows[0][1:] for r in rows):
-            said = "; ".join(f"pp rank {i}: {'forward_backward' if r[0] else 'evaluate'} of a local batch of shape "
-                             f"{tuple(r[3:3 + r[2]])} {str(_DTYPES[r[-2]]).replace('torch.', '')}"
-                             f"{' under autocast' if r[-1] else ''}, {'first' if r[1] else 'not the first'} step of "
-                             "that shape" for i, r in enumerate(rows))
-            raise ShardingError(
-                f"pipeline step: the stages of axis {self.axis!r} (mesh {self.mesh.shape}) run different steps: {said}. "
-                "Every stage sizes its transfers by the step's input signature, so every rank calls the same "
-                "method with a local batch of the same shape and dtype. Fix: pass every rank the same local batch "
-                "(only the first stage reads its values)")
 
     # -- one step ------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool = True):
@@ -354,7 +250,7 @@ class PipelineRunner:
         shapes = self.shapes.get(sig)
         handshake = shapes is None and not self.fake
         if self.mesh.trace.check and not self.fake:
-            self._check_signature(sig, handshake)
+            self.transfers.check_signature(sig, handshake)
         if shapes is None:
             shapes = {}
             if self.fake:  # nothing arrives on a fake group: the planned boundary shape
@@ -370,10 +266,11 @@ class PipelineRunner:
         outputs: dict[tuple[int, int], Any] = {}
         losses: list = [None] * m
         outs: list = [None] * m
-        outbox: dict[Message, torch.Tensor] = {}  # tensors to send, by message
-        inbox: dict[Message, torch.Tensor] = {}  # receive buffers, by message (filled once waited for)
-        batches: dict[int, _Batch] = {}
+        transfers = self.transfers
+        transfers.begin(tag, backward)
+        inbox = transfers.inbox  # receive buffers by message (valid once waited for)
         drops = MicrobatchDropout(self.smodel.module, m)  # masks by global sample, counters per step
+        drawing = any(d.p and d.training for d in drops.dropouts)  # else a microbatch's masks change nothing
         timeline = self.timeline = []
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis
@@ -381,17 +278,16 @@ class PipelineRunner:
             for ins in program:
                 kind = type(ins)
                 if kind is Post:
-                    self._post(ins, outbox, inbox, shapes, tag, batches)
+                    transfers.post(ins, shapes)
                     continue
                 if kind is Wait:
                     if ins.message is None:  # the end of the step: every work not waited for yet, at once
-                        self._wait_rest(batches)
+                        transfers.finish()
                     else:
-                        self._wait(batches[ins.batch], ins.message)
+                        transfers.wait(ins.batch, ins.message)
                     continue
                 if kind is Read:  # a handshake: the shape of the activations over a boundary
-                    self._wait(batches[ins.batch], ins.message)
-                    shapes[("in", ins.message.dst_stage)] = _read_header(inbox.pop(ins.message))
+                    shapes[("in", ins.message.dst_stage)] = transfers.read(ins.batch, ins.message)
                     continue
                 a = actions[ins.index]
                 chunk, mb = a.stage // self.p, a.microbatch
@@ -401,7 +297,7 @@ class PipelineRunner:
                     else:
                         inp = inbox.pop(Message(ACTIVATION, a.stage - 1, mb)).requires_grad_(backward)
                     start = time.perf_counter()  # compute only: waiting for the input is idle time
-                    if drops.dropouts:
+                    if drawing:
                         with drops.forward(mb):
                             out = self.smodel(chunk, inp)
                     else:
@@ -413,7 +309,7 @@ class PipelineRunner:
                             outs[mb] = out.detach()
                         out = loss / m  # what the backward starts from
                     else:
-                        self._outbox(outbox, shapes, Message(ACTIVATION, a.stage, mb), out)
+                        _queue_output(transfers.outbox, shapes, Message(ACTIVATION, a.stage, mb), out)
                     end = time.perf_counter()
                     if backward:
                         outputs[(a.stage, mb)] = out
@@ -427,7 +323,7 @@ class PipelineRunner:
                     end = time.perf_counter()
                     if a.stage > 0:
                         grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)  # an input it did not use
-                        outbox[Message(GRADIENT, a.stage, mb)] = grad.contiguous()
+                        transfers.outbox[Message(GRADIENT, a.stage, mb)] = grad.contiguous()
                 timeline.append((str(a), start, end))
         if handshake:
             self.shapes[sig] = shapes
@@ -445,40 +341,24 @@ class PipelineRunner:
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
 
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
-_HEADER = 10  # int64: dims, up to 8 sizes, dtype
+def _queue_output(outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -> None:
+    """Queue ``out`` (stage ``msg.stage``'s output) to be sent; its shape is the one every
+    microbatch of this input signature has (recorded from the first: the size of the receiver's
+    buffers and of this stage's gradient receives).
 
-
-def _dtype_id(dtype: torch.dtype) -> int:
-    if dtype not in _DTYPES:
-        raise ShardingError(f"pipeline transfers carry {', '.join(str(d).replace('torch.', '') for d in _DTYPES)}; "
-                            f"a stage output of dtype {dtype} cannot be sent. Fix: cast it to one of these")
-    return _DTYPES.index(dtype)
-
-
-def _header(t: torch.Tensor, device) -> torch.Tensor:
-    """The shape header of activation ``t`` (a handshake's first over its boundary)."""
-    if t.dim() > _HEADER - 2:
-        raise ShardingError(f"pipeline transfers carry tensors of up to {_HEADER - 2} dimensions; a stage output of shape "
-                            f"{tuple(t.shape)} cannot be sent. Fix: reshape it at the end of the stage")
-    return torch.tensor([t.dim(), *t.shape, *([0] * (_HEADER - 2 - t.dim())), _dtype_id(t.dtype)], dtype=torch.int64,
-                        device=device)
-
-
-def _read_header(h: torch.Tensor) -> tuple:
-    """``(shape, dtype)`` from a header (a host sync: once per input signature and boundary)."""
-    v = h.tolist()
-    return tuple(v[1:1 + v[0]]), _DTYPES[v[-1]]
-
-
-class _Batch:
-    """The works of one posted batch, which message each operation carries (``None``: a send)
-    and their trace records; the indices of the works waited for."""
-
-    __slots__ = ("works", "slots", "recs", "waited")
-
-    def __init__(self, works: list, slots: list, recs: list):
-        self.works, self.slots, self.recs, self.waited = works, slots, recs, set()
+    Raises:
+        ShardingError: an output whose shape or dtype differs from the first microbatch's."""
+    t = out.detach().contiguous()
+    key, got = ("out", msg.stage), (tuple(t.shape), t.dtype)
+    have = shapes.setdefault(key, got)
+    if have != got:
+        raise ShardingError(
+            f"pipeline step: stage {msg.stage}'s output for microbatch {msg.microbatch} has shape {got[0]} "
+            f"({str(got[1]).replace('torch.', '')}), but this input signature's first microbatch gave {have[0]} "
+            f"({str(have[1]).replace('torch.', '')}). Transfers between stages are sized once per input shape, so a "
+            "stage's output shape may depend on the shape of its input but not on the data. Fix: make the layer at "
+            "the end of this stage return a fixed shape (pad it), or cut the stages elsewhere")
+    outbox[msg] = t
 
 
 def measured_bubble(timelines: list[list[tuple[str, float, float]]]) -> list[float]:
