@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .mesh.collectives import raw_broadcast
+from .mesh.guard import post, wait_works
 from .mesh.regions import _uneven_gather
 from .plan_items import tp_pieces
 from .state_names import persistent_buffers
@@ -28,11 +30,13 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     Args:
         smodel: a sharded module.
         rank0_only: if True, ranks other than 0 return ``{}`` (they still take part in the
-            gathers).
+            gathers over data and tensor axes; on a pipeline only rank 0's pp group exchanges
+            stages, towards rank 0).
 
     Returns:
-        ``{name: tensor}`` in ``smodel.module.state_dict()`` order; each parameter has its global
-        shape and is a fresh copy (collective under ZeRO-3: call on every rank).
+        ``{name: tensor}`` in ``smodel.module.state_dict()`` order (on a pipeline: stage by stage,
+        the other stages' tensors on the mesh's device); each parameter has its global shape and
+        is a fresh copy (collective under ZeRO-3 and on a pipeline: call on every rank).
 
     Raises:
         TypeError: ``smodel`` is not a sharded module, or ``rank0_only`` not a bool (before any
@@ -51,25 +55,110 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     out = {}
     for name, value in smodel.module.state_dict(keep_vars=True).items():
         out[name] = full[name] if name in full else value.detach().clone()
-    out = _merge_over_pipeline(smodel, out)
+    out = _merge_over_pipeline(smodel, out, rank0_only)
     if rank0_only and smodel.mesh.rank != 0:
         return {}
     return out
 
 
-def _merge_over_pipeline(smodel: ShardedModule, local: dict) -> dict:
-    """Every stage's tensors, in stage order (a pipeline's ranks each hold some names)."""
+def _merge_over_pipeline(smodel: ShardedModule, local: dict, rank0_only: bool = False) -> dict:
+    """Every stage's tensors, in stage order (a pipeline's ranks each hold some names).
+
+    Tensors travel as tensors: each pp rank packs its tensors into one flat byte buffer on the
+    mesh's device, and the buffers go over the pipeline axis with ``broadcast`` from each pp rank
+    (to every rank), or with ``rank0_only`` by point-to-point to global rank 0 alone (pp groups
+    without rank 0 exchange nothing). Only the metadata (names, shapes, dtypes; a frozen
+    parameter's ``None``) is exchanged as Python objects, so no tensor is pickled."""
     if not isinstance(smodel, PipelineModule):
         return local
     import torch.distributed as dist
 
-    parts: list = [None] * smodel.mesh.size(smodel.pp_axis)
-    dist.all_gather_object(parts, local, group=smodel.mesh.group(smodel.pp_axis))
+    from .checkpoint._files import watched
+
+    mesh, axis = smodel.mesh, smodel.pp_axis
+    ranks = mesh.axis_ranks(axis)
+    if rank0_only and 0 not in ranks:
+        return local  # nobody here needs the others' tensors
+    me, p = mesh.index(axis), len(ranks)
+    meta, first = [], {}
+    for name, t in local.items():  # a tensor under two names (tied) is sent once
+        if t is None:
+            meta.append((name, None))
+        elif id(t) in first:
+            meta.append((name, ("=", first[id(t)])))
+        else:
+            first[id(t)] = name
+            meta.append((name, (tuple(t.shape), str(t.dtype).replace("torch.", ""))))
+    metas: list = [None] * p
+    watched(mesh, "all_gather_object", "full_state_dict: every stage's names, shapes and dtypes",
+            lambda: dist.all_gather_object(metas, meta, group=mesh.group(axis)))
+    bufs = [_pack(local, meta, mesh.device) if i == me else torch.empty(_packed_bytes(metas[i]), dtype=torch.uint8,
+                                                                   device=mesh.device) for i in range(p)]
+    if not rank0_only:
+        for i in range(p):
+            raw_broadcast(bufs[i], mesh, axis, src_index=i)
+    elif p > 1:
+        _to_rank0(mesh, axis, bufs, me)
     merged: dict = {}
-    for part in parts:
+    for i in range(p):
+        part = local if i == me else _unpack(bufs[i], metas[i]) if me == 0 or not rank0_only else {}
         for name, value in part.items():
             merged.setdefault(name, value)
     return merged
+
+
+_ALIGN = 16  # bytes: every tensor starts at a multiple, so its dtype view of the buffer is aligned
+
+
+def _packed_bytes(meta: list) -> int:
+    total = 0
+    for _, spec in meta:
+        if spec is not None and spec[0] != "=":
+            total += -(-int(torch.Size(spec[0]).numel()) * getattr(torch, spec[1]).itemsize // _ALIGN) * _ALIGN
+    return total
+
+
+def _pack(tensors: dict, meta: list, device) -> torch.Tensor:
+    """One ``uint8`` buffer on ``device`` holding the tensors of ``tensors`` that ``meta`` gives
+    a shape (``None`` and second names skipped)."""
+    parts = []
+    for (name, spec) in meta:
+        if spec is not None and spec[0] != "=":
+            raw = tensors[name].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+            pad = -raw.numel() % _ALIGN
+            parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=device)] if pad else [raw]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def _unpack(buf: torch.Tensor, meta: list) -> dict:
+    """The tensors :func:`_pack` packed, as fresh copies, from their metadata."""
+    out, off = {}, 0
+    for name, spec in meta:
+        if spec is None or spec[0] == "=":
+            out[name] = None if spec is None else out[spec[1]]
+            continue
+        shape, dtype = spec[0], getattr(torch, spec[1])
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
+        out[name] = buf[off:off + n].view(dtype).view(shape).clone()
+        off += -(-n // _ALIGN) * _ALIGN
+    return out
+
+
+def _to_rank0(mesh, axis: str, bufs: list, me: int) -> None:
+    """Each pp rank's buffer to pp index 0 (global rank 0), point to point, in one batch."""
+    import torch.distributed as dist
+
+    ranks, group = mesh.axis_ranks(axis), mesh.group(axis)
+    if me == 0:
+        ops = [dist.P2POp(dist.irecv, bufs[i], ranks[i], group) for i in range(1, len(ranks)) if bufs[i].numel()]
+    else:
+        ops = [dist.P2POp(dist.isend, bufs[me], ranks[0], group)] if bufs[me].numel() else []
+        mesh.comm.record(axis, "send", bufs[me].numel(), 2)
+    if ops:
+        trace = mesh.trace
+        rec = trace.record("recv" if me == 0 else "send", trace.label(mesh, (axis,), 0), bufs[me].shape, torch.uint8,
+                           f"full_state_dict tensors {'from every stage' if me == 0 else 'to rank ' + str(ranks[0])}")
+        wait_works(mesh, post(mesh, dist.batch_isend_irecv, ops), rec, True)
 
 
 def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:

@@ -31,9 +31,18 @@ def _batches(rows, steps=3):
 
 
 def _pipeline_worker(shape, layers, options, rows, clip):
-    mesh = shardlib.init_mesh(shape)
-    torch.manual_seed(0)
     options = dict(options)
+    if options.pop("native", False):  # the NCCL-style branch forced on gloo: tag 0, one work per batch
+        from test_pipeline_p2p import nccl_like_p2p
+
+        mesh = shardlib.init_mesh(shape)
+        with nccl_like_p2p(mesh):
+            return _pipeline_steps(mesh, layers, options, rows, clip)
+    return _pipeline_steps(shardlib.init_mesh(shape), layers, options, rows, clip)
+
+
+def _pipeline_steps(mesh, layers, options, rows, clip):
+    torch.manual_seed(0)
     specs = options.pop("specs", None)
     dtype = options.pop("dtype", torch.float32)
     smodel = shardlib.shard(GPT(_config(layers)).to(dtype), mesh, specs, chunk_size=400, **options)
@@ -112,10 +121,22 @@ def test_pipeline_equals_single_process(shape, layers, options):
     assert len(actions) == 2 * options["microbatches"] * options.get("virtual_stages", 1)
 
 
-def test_pipeline_with_data_parallel_zero3_and_clipping():
+NATIVE_CASES = [CASES[1], CASES[3], CASES[4], CASES[5], CASES[7]]  # gpipe, 1f1b, interleaved (p 2 and 4)
+
+
+@pytest.mark.parametrize("shape,layers,options", NATIVE_CASES)
+def test_pipeline_equals_single_process_on_the_native_path(shape, layers, options):
+    """The NCCL-style transfers forced on gloo (``mesh.native``: tag 0, so messages pair by
+    posting order alone; one work per batch, as NCCL's coalescing returns): every schedule still
+    equals one process, tied embedding and LM head included."""
+    _check(shape, layers, {**options, "native": True})
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_pipeline_with_data_parallel_zero3_and_clipping(native):
     """pp2 x dp2: ZeRO-3 on dp inside each stage, the tied embedding summed over pp, the global
-    norm counting every element once across pp and dp."""
-    _check({"pp": 2, "dp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}, clip=0.05)
+    norm counting every element once across pp and dp (both transfer paths)."""
+    _check({"pp": 2, "dp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3, "native": native}, clip=0.05)
 
 
 def test_pipeline_x_data_x_tensor_parallel_on_8_ranks():
@@ -130,6 +151,7 @@ def test_pipeline_x_data_x_tensor_parallel_on_8_ranks():
 SP_CASES = [
     ({"pp": 2, "tp": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1}),
     ({"pp": 2, "tp": 2}, {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2}),
+    ({"pp": 2, "tp": 2}, {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2, "native": True}),
     ({"pp": 2, "dp": 2, "tp": 2}, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3}),
 ]
 
@@ -146,15 +168,13 @@ def test_pipeline_x_sequence_parallel_equals_single_process(shape, options):
     options = {**options, "specs": gpt_preset().specs, "sequence_parallel": True}
     results = _check(shape, 4, options, clip=0.05)
     planned = shardlib.plan(GPT(_config(4)), AbstractMesh(shape), gpt_preset().specs, sequence_parallel=True,
-                            **{k: v for k, v in options.items() if k not in ("specs", "sequence_parallel")})
+                            **{k: v for k, v in options.items() if k not in ("specs", "sequence_parallel", "native")})
     tokens = 8 // shape.get("dp", 1) // options["microbatches"] * 8  # rows per microbatch x sequence
     assert planned.boundary_bytes(tokens) == tokens // 2 * 16 * 4  # the shard: half the sequence
     assert all(r["sent"] == planned.boundary_bytes(tokens) for r in results)
 
 
 def test_pipeline_option_errors():
-    from shardlib.mesh import AbstractMesh  # noqa: F401
-
     mesh = shardlib.init_mesh({"dp": 1})
     with pytest.raises(ShardingError, match="needs a pipeline axis"):
         shardlib.shard(GPT(_config(2)), mesh, microbatches=4)
@@ -197,8 +217,6 @@ def _explain_worker():
     smodel = shardlib.shard(GPT(_config(4)), mesh, microbatches=4, schedule="gpipe")
     x = _batches(8)[0]
     smodel.forward_backward(x[:, :-1], criterion=ce, labels=(x[:, 1:],))
-    from shardlib.parallel.pipeline import timeline_svg
-
     return smodel.explain(), smodel.timeline
 
 

@@ -78,6 +78,24 @@ def _refuse_unknown_width() -> str:
                                                 r"receives zeros of the planned boundary shape .* the width of "
                                                 r"Sequential is unknown"):
             smodel.forward_backward(torch.zeros(4, 4), criterion=lambda y: y.sum())
+        # a stage whose output shape depends on the data: transfers are sized by the first microbatch
+        from shardlib.models import GPT, GPTConfig
+
+        gpt = shardlib.shard(GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)), mesh,
+                             microbatches=2)
+        stage, calls = gpt.module, []
+
+        def forward(chunk, x):
+            out = type(stage).forward(stage, chunk, x)
+            calls.append(1)
+            return out[:, :-1] if len(calls) == 2 else out  # the second microbatch's output one position short
+
+        stage.forward = forward
+        x = torch.zeros(4, 9, dtype=torch.long)
+        with pytest.raises(ShardingError, match=r"stage 0's output for microbatch 1 has shape \(2, 7, 16\) \(float32\), "
+                                                r"but this input signature's first microbatch gave \(2, 8, 16\) "
+                                                r"\(float32\)\. Transfers between stages are sized once per input shape"):
+            gpt.forward_backward(x[:, :-1], criterion=lambda y, t: y.sum(), labels=(x[:, 1:],))
         return "refused"
     finally:
         dist.destroy_process_group()
@@ -108,7 +126,7 @@ def test_pipeline_step_on_fake_group(shape, specs):
         assert r["sent"] == r["planned_bytes"] == 2 * 2 * 8 * 16 * 4  # (rows 2, seq 8, width 16) fp32, twice
 
 
-def test_fake_group_refuses_a_pipeline_of_unknown_width():
+def test_fake_group_refuses_a_pipeline_of_unknown_width_and_data_dependent_shapes():
     assert _in_fresh_process("refuse") == "refused"
 
 

@@ -32,13 +32,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
-from ..mesh.guard import post, wait_works
 from ..random import MicrobatchDropout
+from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, transfer_program
+from .p2p_run import Transfers
 from .schedules import build_schedule
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
@@ -162,75 +162,57 @@ def _balanced_starts(sizes: list[int], n: int) -> list[int]:
 class PipelineRunner:
     """Executes a schedule on this rank: microbatches, point-to-point transfers, timeline.
 
+    The transfers of a step follow this rank's :func:`~shardlib.parallel.p2p.transfer_program`
+    (rounds of ``batch_isend_irecv``, receives posted as soon as their message exists, each
+    waited for just before its use; the order on every pair of ranks the sender's, by
+    construction). Shapes are exchanged once per input signature (the local batch's shape and
+    dtype, training or evaluation, autocast): the first step of a signature sends a header before
+    the first activation over each boundary, every later one only the tensors, into buffers
+    sized from the cache. So every rank must pass a local batch of the same shape (checked across
+    the pipeline ranks in check mode, ``SHARDLIB_CHECK_COLLECTIVES=1``).
+
+    Tags: with :attr:`Mesh.native <shardlib.mesh.Mesh.native>` (NCCL, which ignores tags) every
+    message has tag 0 and pairs by order alone; on gloo's default path a message's tag is its
+    schedule's number (mod 256) and kind, so a stage that runs a schedule the others do not
+    (an evaluate on one stage only) waits, diagnosed by the watchdog, instead of taking another
+    schedule's tensors as its own.
+
     Args:
         smodel: the sharded :class:`Stage` of this rank (a ShardedModule).
         mesh, axis: the mesh and its pipeline axis.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
         microbatches: microbatches per step ``m``.
         virtual_stages: ``v``.
+        tied: ``[(name, param or None, numel, dtype)]`` of parameters tied across stages.
     """
 
     def __init__(self, smodel, mesh, axis: str, schedule: str, microbatches: int, virtual_stages: int, tied: list):
         self.smodel, self.mesh, self.axis = smodel, mesh, axis
         self.p, self.rank = mesh.size(axis), mesh.index(axis)
         self.m, self.v = microbatches, virtual_stages
-        self.actions = build_schedule(schedule, self.p, microbatches, virtual_stages)[self.rank]
+        self.schedule = build_schedule(schedule, self.p, microbatches, virtual_stages)  # every rank's actions
+        self.actions = self.schedule[self.rank]
         self.n_stages = self.p * self.v
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
         # torch's fake group (a dry run in one process): sends complete at once and count their
-        # bytes, receives return zeros of the planned shape (their header never arrives)
+        # bytes, receives return zeros of the planned shape (nothing arrives, headers neither)
         self.fake = getattr(mesh, "fake", False)
         self.tied = tied  # [(name, param or None, numel, dtype)] in a fixed order on every rank
         self.timeline: list[tuple[str, float, float]] = []
         self.runs = 0  # schedules run (forward_backward and evaluate), the same count on every stage
         self.training = True
+        self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
+        self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
+        self.transfers = Transfers(mesh, axis, self.fake)
 
-    # -- point to point ----------------------------------------------------------------------
-    def _tag(self, stage: int, mb: int, grad: bool) -> int:
-        # the schedule's number (mod 256) and kind are in the tag: a stage that runs a schedule the
-        # others do not (evaluate on one stage only) waits, diagnosed, instead of taking another
-        # schedule's activations as its own
-        run = (self.runs % 256) * 2 + int(self.training)  # an evaluate never pairs with a training step
-        return ((run * self.n_stages * self.m + stage * self.m + mb) * 2 + int(grad)) * 2
-
-    def _send(self, t: torch.Tensor, stage: int, mb: int, grad: bool, pending: list) -> None:
-        dst = self.ranks[(stage + (-1 if grad else 1)) % self.p]
-        t = t.detach().contiguous()
-        header = torch.zeros(8, dtype=torch.int64, device=self.mesh.device)
-        header[0] = t.dim()
-        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64, device=header.device)
-        header[7] = _DTYPES.index(t.dtype)
-        tag = self._tag(stage, mb, grad)
-        self.mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
-        rec = self._trace("send", t, stage, mb, grad, dst)
-        pending.append((post(self.mesh, dist.isend, header, dst, group=self.group, tag=tag), rec))
-        pending.append((post(self.mesh, dist.isend, t, dst, group=self.group, tag=tag + 1), rec))
-
-    def _trace(self, kind: str, t: torch.Tensor, stage: int, mb: int, grad: bool, peer: int) -> dict:
-        what = "gradient" if grad else "activation"
-        trace = self.mesh.trace
-        return trace.record(kind, trace.label(self.mesh, (self.axis,), 0), t.shape, t.dtype,
-                            f"{what} of stage {stage} microbatch {mb} of {'a training step' if self.training else 'evaluate'} "
-                            f"{'to' if kind == 'send' else 'from'} rank {peer}")
-
-    def _recv(self, stage: int, mb: int, grad: bool, like: tuple) -> torch.Tensor:
-        """The activation (or gradient) stage ``stage`` receives for microbatch ``mb``; ``like``:
-        ``(shape, dtype, device)`` the sender sends, used on a fake group only, where nothing
-        arrives (the device is the step's: ``meta`` in a dry run, :mod:`shardlib.dryrun`)."""
-        if self.fake:
-            shape, dtype, device = like
-            return torch.zeros(shape, dtype=dtype, device=device)
-        src = self.ranks[(stage + (1 if grad else -1)) % self.p]
-        sender_stage = stage + (1 if grad else -1)
-        tag = self._tag(sender_stage, mb, grad)
-        header = torch.empty(8, dtype=torch.int64, device=self.mesh.device)
-        rec = self._trace("recv", header, sender_stage, mb, grad, src)
-        wait_works(self.mesh, [post(self.mesh, dist.irecv, header, src, group=self.group, tag=tag)], rec, True)
-        ndim = int(header[0])
-        buf = torch.empty(tuple(header[1 : 1 + ndim].tolist()), dtype=_DTYPES[int(header[7])], device=self.mesh.device)
-        wait_works(self.mesh, [post(self.mesh, dist.irecv, buf, src, group=self.group, tag=tag + 1)], rec, True)
-        return buf
+    def program(self, training: bool, handshake: bool) -> tuple:
+        """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
+        key = (training, handshake)
+        if key not in self._programs:
+            sched = self.schedule if training else [[a for a in acts if a.kind == "F"] for acts in self.schedule]
+            self._programs[key] = (sched[self.rank], transfer_program(sched, self.rank, handshake))
+        return self._programs[key]
 
     # -- one step ------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool = True):
@@ -259,60 +241,92 @@ class PipelineRunner:
                 f"zeros of the planned boundary shape (rows per microbatch, sequence, width), but {missing}. Fix: dry-run "
                 "a model with such a config and a (batch, seq) input, or use a real process group"
             )
-        self.runs += 1
-        self.training = backward
         last = self.n_stages - 1
         if criterion is None and any(a.stage == last for a in self.actions):
             raise ShardingError("forward_backward: the last stage needs criterion=, a function (output, *labels) -> loss")
+        dev = x.device.type
+        cast = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)  # meta (a dry run) has none
+        sig = (tuple(x.shape), x.dtype, backward, cast, torch.get_autocast_dtype(dev) if cast else None)
+        shapes = self.shapes.get(sig)
+        handshake = shapes is None and not self.fake
+        if self.mesh.trace.check and not self.fake:
+            self.transfers.check_signature(sig, handshake)
+        if shapes is None:
+            shapes = {}
+            if self.fake:  # nothing arrives on a fake group: the planned boundary shape
+                planned = (pplan.boundary_shape(x.shape[0] // m, x.shape[1]), pplan.boundary_dtype)
+                shapes.update((("in", s), planned) for s in range(self.rank, self.n_stages, self.p) if s > 0)
+        self.runs += 1
+        self.training = backward
+        tag = 0 if self.mesh.native else (self.runs % 256) * 2 + int(backward)  # see the class doc
+        actions, program = self.program(backward, handshake)
         xs = x.chunk(m)
         ys = [y.chunk(m) for y in labels]
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], Any] = {}
         losses: list = [None] * m
         outs: list = [None] * m
-        pending: list = []
+        transfers = self.transfers
+        transfers.begin(tag, backward)
+        inbox = transfers.inbox  # receive buffers by message (valid once waited for)
         drops = MicrobatchDropout(self.smodel.module, m)  # masks by global sample, counters per step
-        self.timeline = []
+        drawing = any(d.p and d.training for d in drops.dropouts)  # else a microbatch's masks change nothing
+        timeline = self.timeline = []
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis
-        actions = self.actions if backward else [a for a in self.actions if a.kind == "F"]
-        for a in actions:
-            chunk = a.stage // self.p
-            if a.kind == "F":
-                if a.stage == 0:
-                    inp = xs[a.microbatch]
+        with self.smodel.no_sync():
+            for ins in program:
+                kind = type(ins)
+                if kind is Post:
+                    transfers.post(ins, shapes)
+                    continue
+                if kind is Wait:
+                    if ins.message is None:  # the end of the step: every work not waited for yet, at once
+                        transfers.finish()
+                    else:
+                        transfers.wait(ins.batch, ins.message)
+                    continue
+                if kind is Read:  # a handshake: the shape of the activations over a boundary
+                    shapes[("in", ins.message.dst_stage)] = transfers.read(ins.batch, ins.message)
+                    continue
+                a = actions[ins.index]
+                chunk, mb = a.stage // self.p, a.microbatch
+                if a.kind == "F":
+                    if a.stage == 0:
+                        inp = xs[mb]
+                    else:
+                        inp = inbox.pop(Message(ACTIVATION, a.stage - 1, mb)).requires_grad_(backward)
+                    start = time.perf_counter()  # compute only: waiting for the input is idle time
+                    if drawing:
+                        with drops.forward(mb):
+                            out = self.smodel(chunk, inp)
+                    else:
+                        out = self.smodel(chunk, inp)
+                    if a.stage == last:
+                        loss = criterion(out, *[y[mb] for y in ys])
+                        losses[mb] = loss.detach()
+                        if return_outputs:
+                            outs[mb] = out.detach()
+                        out = loss / m  # what the backward starts from
+                    else:
+                        _queue_output(transfers.outbox, shapes, Message(ACTIVATION, a.stage, mb), out)
+                    end = time.perf_counter()
+                    if backward:
+                        outputs[(a.stage, mb)] = out
+                        inputs[(a.stage, mb)] = inp
                 else:
-                    planned = ((pplan.boundary_shape(*xs[a.microbatch].shape[:2]), pplan.boundary_dtype, x.device)
-                               if self.fake else None)
-                    inp = self._recv(a.stage, a.microbatch, False, planned).requires_grad_(backward)
-                start = time.perf_counter()  # compute only: waiting for the input is idle time
-                with self.smodel.no_sync(), drops.forward(a.microbatch):
-                    out = self.smodel(chunk, inp)
-                if a.stage == last:
-                    loss = criterion(out, *[y[a.microbatch] for y in ys])
-                    losses[a.microbatch] = loss.detach()
-                    if return_outputs:
-                        outs[a.microbatch] = out.detach()
-                    out = loss / m  # what the backward starts from
-                end = time.perf_counter()
-                if a.stage != last:
-                    self._send(out, a.stage, a.microbatch, False, pending)
-                if backward:
-                    outputs[(a.stage, a.microbatch)] = out
-                    inputs[(a.stage, a.microbatch)] = inp
-            else:
-                out = outputs.pop((a.stage, a.microbatch))
-                inp = inputs.pop((a.stage, a.microbatch))
-                grad = None if a.stage == last else self._recv(a.stage, a.microbatch, True, (out.shape, out.dtype, out.device))
-                start = time.perf_counter()
-                with self.smodel.no_sync():
+                    out = outputs.pop((a.stage, mb))
+                    inp = inputs.pop((a.stage, mb))
+                    grad = None if a.stage == last else inbox.pop(Message(GRADIENT, a.stage + 1, mb))
+                    start = time.perf_counter()
                     torch.autograd.backward(out, grad)
-                end = time.perf_counter()
-                if a.stage > 0:
-                    self._send(inp.grad, a.stage, a.microbatch, True, pending)
-            self.timeline.append((str(a), start, end))
-        for work, rec in pending:
-            wait_works(self.mesh, [work], rec, True)
+                    end = time.perf_counter()
+                    if a.stage > 0:
+                        grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)  # an input it did not use
+                        transfers.outbox[Message(GRADIENT, a.stage, mb)] = grad.contiguous()
+                timeline.append((str(a), start, end))
+        if handshake:
+            self.shapes[sig] = shapes
         if backward:
             self._sum_tied_grads()
             self.smodel._zero.sync_grads()
@@ -327,7 +341,24 @@ class PipelineRunner:
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
 
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
+def _queue_output(outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -> None:
+    """Queue ``out`` (stage ``msg.stage``'s output) to be sent; its shape is the one every
+    microbatch of this input signature has (recorded from the first: the size of the receiver's
+    buffers and of this stage's gradient receives).
+
+    Raises:
+        ShardingError: an output whose shape or dtype differs from the first microbatch's."""
+    t = out.detach().contiguous()
+    key, got = ("out", msg.stage), (tuple(t.shape), t.dtype)
+    have = shapes.setdefault(key, got)
+    if have != got:
+        raise ShardingError(
+            f"pipeline step: stage {msg.stage}'s output for microbatch {msg.microbatch} has shape {got[0]} "
+            f"({str(got[1]).replace('torch.', '')}), but this input signature's first microbatch gave {have[0]} "
+            f"({str(have[1]).replace('torch.', '')}). Transfers between stages are sized once per input shape, so a "
+            "stage's output shape may depend on the shape of its input but not on the data. Fix: make the layer at "
+            "the end of this stage return a fixed shape (pad it), or cut the stages elsewhere")
+    outbox[msg] = t
 
 
 def measured_bubble(timelines: list[list[tuple[str, float, float]]]) -> list[float]:

@@ -1,0 +1,296 @@
+"""The point-to-point transfers of a pipeline step, planned from the schedule as data.
+
+A schedule (:mod:`.schedules`) says which action each rank runs, and every rank knows every
+rank's list. :func:`transfer_program` turns them into one rank's *program*: the instructions
+the runner (:class:`~shardlib.parallel.pipeline.PipelineRunner`) executes in order:
+
+- :class:`Post` a batch: one ``torch.distributed.batch_isend_irecv`` of sends and receives;
+- :class:`Wait` for a batch just before the action that uses a tensor it receives (on NCCL the
+  compute stream waits and the host goes on; on gloo the host waits, bounded by the watchdog);
+- :class:`Read` a shape header on the host (the first step of an input shape only);
+- :class:`Run` action ``index`` of the rank's list.
+
+Ordering. NCCL pairs the messages between two ranks in the order they are posted and ignores
+tags, and with ``batch_isend_irecv`` every batch of a rank runs on one stream, in order: a
+batch holding a receive whose sender is not there yet holds back every later batch of that
+rank, its sends too. So batches follow *rounds*: the schedule is laid out on a clock
+(:func:`action_times`), a message belongs to the round at which the action producing it
+ends, and at each round a rank posts one batch with the sends of its action that just ended
+and the receives of every message produced for it in that round. Both ends post a message in
+the same round and every rank posts its rounds in increasing order, so on each directed pair
+the k-th receive is the k-th send (the receiver follows the *sender's* order, whatever order it
+uses them in), and round ``t`` completes on every rank once the rounds before it have (the
+computes whose outputs round ``t`` sends wait only for earlier rounds): no deadlock, by
+induction over rounds. Sends and receives of a round share a batch, so two neighbours that
+send to each other at once do not wait for each other (the 1F1B hang of unbatched sends), and
+a receive is posted as soon as its message exists, often several actions before its use.
+
+Shapes. All microbatches of a step have the first one's shapes (the runner splits the batch
+into equal microbatches), so shapes are exchanged once per input signature. In a *handshake*
+program (the first step of a signature) the first activation over each stage boundary is
+preceded by a header (a :class:`Message` with ``header=True``, a fixed-size tensor) in the same
+batch; the receiver reads it on the host between two batches of that round, then posts the
+activation's receive. A gradient has the shape of the stage's own output. A *steady* program
+(every later step) sends no headers.
+
+:mod:`.p2p_check` executes the programs of all ranks on a clock under NCCL's semantics and
+gloo's, and checks pairing and freedom from deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from ..errors import ShardingError
+from .schedules import Action
+
+__all__ = ["Message", "Post", "Wait", "Read", "Run", "action_times", "transfer_program", "sent_by", "needed_by"]
+
+ACTIVATION, GRADIENT = "activation", "gradient"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point transfer of a step.
+
+    Attributes:
+        kind: ``"activation"`` (a forward's output, to ``stage + 1``) or ``"gradient"`` (a
+            backward's input gradient, to ``stage - 1``).
+        stage: the sending stage.
+        microbatch: the microbatch.
+        header: the shape header sent just before the first activation over this boundary (a
+            handshake step's only extra messages).
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    header: bool = False
+
+    @property
+    def dst_stage(self) -> int:
+        return self.stage + 1 if self.kind == ACTIVATION else self.stage - 1
+
+    def __str__(self) -> str:
+        return f"{'header of ' if self.header else ''}{self.kind} {self.stage}->{self.dst_stage} mb{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Post:
+    """Post batch ``batch``: ``sends`` then ``recvs``, in order, in one ``batch_isend_irecv``."""
+
+    batch: int
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for batch ``batch`` before ``message`` (received there) is used; ``None``: the
+    batch's sends, at the end of the step."""
+
+    batch: int
+    message: Message | None
+
+
+@dataclass(frozen=True)
+class Read:
+    """Wait on the host for batch ``batch`` and read the shape header ``message`` from it."""
+
+    batch: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run action ``index`` of the rank's action list."""
+
+    index: int
+
+
+Instruction = Union[Post, Wait, Read, Run]
+
+
+def sent_by(a: Action, n_stages: int) -> Message | None:
+    """The message action ``a`` sends: a forward's output (but the last stage's), a backward's
+    input gradient (but the first stage's)."""
+    if a.kind == "F":
+        return Message(ACTIVATION, a.stage, a.microbatch) if a.stage < n_stages - 1 else None
+    return Message(GRADIENT, a.stage, a.microbatch) if a.stage > 0 else None
+
+
+def needed_by(a: Action, n_stages: int) -> Message | None:
+    """The message action ``a`` receives before it runs: a forward's input (but the first
+    stage's), a backward's output gradient (but the last stage's)."""
+    if a.kind == "F":
+        return Message(ACTIVATION, a.stage - 1, a.microbatch) if a.stage > 0 else None
+    return Message(GRADIENT, a.stage + 1, a.microbatch) if a.stage < n_stages - 1 else None
+
+
+def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bool) -> list[list[Message]]:
+    """Per action of ``rank``, the messages it sends, in order (a header first in a handshake)."""
+    out, headed = [], set()
+    for a in schedule[rank]:
+        m = sent_by(a, n_stages)
+        msgs = []
+        if m is not None:
+            if handshake and m.kind == ACTIVATION and m.stage not in headed:
+                headed.add(m.stage)
+                msgs.append(Message(ACTIVATION, m.stage, m.microbatch, header=True))
+            msgs.append(m)
+        out.append(msgs)
+    return out
+
+
+def action_times(schedule: list[list[Action]], backward_cost: int = 2) -> list[list[tuple[int, int]]]:
+    """``(start, end)`` of every action on a clock (forward 1 unit, backward ``backward_cost``),
+    each rank running its list in order as soon as its inputs are done (a list may hold
+    forwards only: an evaluation).
+
+    Raises:
+        ShardingError: the schedule deadlocks (no rank can start its next action).
+    """
+    p = len(schedule)
+    listed = {a for acts in schedule for a in acts}
+    n_stages = 1 + max((a.stage for a in listed), default=0)
+    end: dict[Action, int] = {}
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    free = [0] * p
+    while any(len(out[r]) < len(schedule[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while len(out[r]) < len(schedule[r]):
+                a = schedule[r][len(out[r])]
+                deps = [Action(a.stage - 1, "F", a.microbatch)] if a.kind == "F" and a.stage > 0 else []
+                if a.kind == "B":
+                    deps.append(Action(a.stage, "F", a.microbatch))
+                    if a.stage < n_stages - 1:
+                        deps.append(Action(a.stage + 1, "B", a.microbatch))
+                deps = [d for d in deps if d in listed]
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                end[a] = free[r] = start + (1 if a.kind == "F" else backward_cost)
+                out[r].append((start, end[a]))
+                moved = True
+        if not moved:
+            raise ShardingError("pipeline schedule deadlocks: " + ", ".join(
+                f"rank {r} waits at {schedule[r][len(out[r])]}" for r in range(p) if len(out[r]) < len(schedule[r])))
+    return out
+
+
+def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = False,
+                     backward_cost: int = 2) -> tuple[Instruction, ...]:
+    """The instructions ``rank`` executes for one step of ``schedule`` (see the module doc).
+
+    Rounds. The schedule is laid out on a clock (:func:`action_times`); a message belongs to
+    the round at which the action that produces it ends. At each round a rank posts one batch:
+    the sends of its action that ended then and the receives of every message produced then
+    for it, in the senders' order. Both ends of every message post it in the same round, and
+    every rank posts its rounds in increasing order, so on each directed pair the k-th receive
+    is the k-th send, and under NCCL's in-order streams round ``t`` completes on every rank
+    once rounds before ``t`` have (by induction over rounds: the computes that produce round
+    ``t``'s sends only wait for earlier rounds). A receive is thus posted as soon as its
+    message exists, often several actions before its use, and waited for just before it.
+
+    Args:
+        schedule: every rank's action list (``build_schedule(...)``; for an evaluation, every
+            rank's forwards only), ``p >= 2`` ranks.
+        rank: the pipeline rank.
+        handshake: the first step of an input signature: a header before the first activation
+            over each boundary; the receiver reads it on the host (between two batches of the
+            same round) before it posts that activation's receive.
+        backward_cost: the clock's backward (a forward is 1): only the order of rounds
+            depends on it.
+
+    Returns:
+        A tuple of :class:`Post`, :class:`Wait`, :class:`Read` and :class:`Run`.
+    """
+    p = len(schedule)
+    if p < 2:
+        raise ShardingError(f"transfer_program: a pipeline has at least 2 ranks, got a schedule of {p}")
+    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
+    times = action_times(schedule, backward_cost)
+    sends = {q: _sends(schedule, q, n_stages, handshake) for q in range(p)}
+    recv_at: dict[int, list[Message]] = {}  # round -> messages for this rank, by sender rank then order
+    send_at: dict[int, list[Message]] = {}
+    for q in range(p):
+        for k, msgs in enumerate(sends[q]):
+            t = times[q][k][1]
+            for m in msgs:
+                if m.dst_stage % p == rank:
+                    recv_at.setdefault(t, []).append(m)
+                if q == rank:
+                    send_at.setdefault(t, []).append(m)
+    starts = {times[rank][k][0]: k for k in range(len(schedule[rank]))}
+    prog: list[Instruction] = []
+    batch_of: dict[Message, int] = {}
+    waited: set[int] = set()
+    ran: set[int] = set()  # this rank's stages that have run a forward (their output shape is known)
+    nb = 0
+    for t in sorted(set(recv_at) | set(send_at) | set(starts)):
+        recvs = recv_at.get(t, [])
+        # a handshake's first activation over a boundary waits for its header, read from this batch
+        later = [m for m in recvs if not m.header and m.kind == ACTIVATION
+                 and Message(ACTIVATION, m.stage, m.microbatch, header=True) in recvs]
+        first = [m for m in recvs if m not in later]
+        assert all(m.kind == ACTIVATION or m.dst_stage in ran for m in first), (rank, t)  # gradient shapes known
+        for part, send in ((first, send_at.get(t, [])), (later, [])):
+            if not part and not send:
+                continue
+            if part is later:
+                for m in later:
+                    h = Message(ACTIVATION, m.stage, m.microbatch, header=True)
+                    prog.append(Read(batch_of[h], h))
+                    waited.add(batch_of[h])
+            prog.append(Post(nb, tuple(send), tuple(part)))
+            batch_of.update((m, nb) for m in part)
+            nb += 1
+        k = starts.get(t)
+        if k is not None:
+            y = needed_by(schedule[rank][k], n_stages)
+            if y is not None and batch_of[y] not in waited:
+                waited.add(batch_of[y])
+                prog.append(Wait(batch_of[y], y))
+            prog.append(Run(k))
+            if schedule[rank][k].kind == "F":
+                ran.add(schedule[rank][k].stage)
+    prog += [Wait(ins.batch, None) for ins in list(prog) if isinstance(ins, Post) and ins.batch not in waited]
+    return _merge_posts(prog)
+
+
+def _merge_posts(prog: list) -> tuple[Instruction, ...]:
+    """Posts with nothing between them (rounds while the rank computes nothing) as one batch,
+    batches renumbered in order: each directed pair's messages keep their order in it, and the
+    batch starts when its first round would (no compute lies between), so the pairing and the
+    induction over rounds hold; fewer ``batch_isend_irecv`` calls."""
+    out: list[Instruction] = []
+    into: dict[int, int] = {}
+    for ins in prog:
+        if isinstance(ins, Post):
+            if out and isinstance(out[-1], Post):
+                last = out[-1]
+                out[-1] = Post(last.batch, last.sends + ins.sends, last.recvs + ins.recvs)
+                into[ins.batch] = last.batch
+                continue
+            into[ins.batch] = ins.batch
+            out.append(ins)
+        else:
+            out.append(ins)
+    order = {b: i for i, b in enumerate(ins.batch for ins in out if isinstance(ins, Post))}
+    final: list[Instruction] = []
+    seen_end: set[int] = set()
+    for ins in out:
+        if isinstance(ins, Post):
+            final.append(Post(order[ins.batch], ins.sends, ins.recvs))
+        elif isinstance(ins, (Wait, Read)):
+            b = order[into.get(ins.batch, ins.batch)]
+            if isinstance(ins, Wait) and ins.message is None:
+                if b in seen_end:
+                    continue
+                seen_end.add(b)
+            final.append(type(ins)(b, ins.message))
+        else:
+            final.append(ins)
+    return tuple(final)

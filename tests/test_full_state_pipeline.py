@@ -1,0 +1,89 @@
+"""full_state_dict of a pipeline: every stage's tensors gathered as tensors, never pickled.
+
+The stages exchange only names, shapes and dtypes as Python objects (``all_gather_object`` is
+wrapped to refuse any tensor or storage inside what it sends); the tensors go as one flat
+buffer per pp rank, broadcast over the pipeline axis (to every rank) or sent to rank 0 alone
+(``rank0_only``), and counted in ``mesh.comm``. The result equals the unsharded model's
+``state_dict`` exactly.
+"""
+
+import contextlib
+import io
+import pickle
+
+import pytest
+import torch
+
+import shardlib
+from shardlib.models import GPT, GPTConfig
+from shardlib.testing import run_on
+
+pytestmark = pytest.mark.multiprocess
+
+
+class _NoTensors(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            raise AssertionError(f"a {type(obj).__name__} was pickled into all_gather_object")
+        return None
+
+
+@contextlib.contextmanager
+def _objects_without_tensors(seen: list):
+    import torch.distributed as dist
+
+    gather = dist.all_gather_object
+
+    def checked(out, obj, group=None):
+        _NoTensors(io.BytesIO()).dump(obj)
+        seen.append(obj)
+        return gather(out, obj, group=group)
+
+    dist.all_gather_object = checked
+    try:
+        yield
+    finally:
+        dist.all_gather_object = gather
+
+
+def _config():
+    # every tensor's bytes a multiple of 16 (the flat buffer's alignment): the counted bytes are the tensors'
+    return GPTConfig(vocab_size=36, block_size=8, n_layer=2, n_head=2, n_embd=16, bias=False)
+
+
+def _full_state_worker(shape: dict, zero_stage: int):
+    mesh = shardlib.init_mesh(shape)
+    torch.manual_seed(0)
+    ref = GPT(_config()).state_dict()
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(_config()), mesh, microbatches=2, zero_stage=zero_stage)
+    seen: list = []
+    out = {}
+    with _objects_without_tensors(seen):
+        for rank0_only in (False, True):
+            mesh.comm.reset()
+            full = shardlib.full_state_dict(smodel, rank0_only=rank0_only)
+            out[rank0_only] = {
+                "equal": list(full) == list(ref) and all(torch.equal(full[k], ref[k]) for k in ref) if full else None,
+                "empty": full == {}, "bytes": sum(t.numel() * t.element_size() for t in ref.values()),
+                "broadcast": mesh.comm.bytes("pp", "broadcast"), "sent": mesh.comm.bytes("pp", "send"),
+                "objects": len(seen)}
+    stage_bytes = sum(ref[k].numel() * ref[k].element_size() for k in smodel.module.state_dict(keep_vars=True))
+    return {"rank": mesh.rank, "rank0_group": 0 in mesh.axis_ranks("pp"), "stage_bytes": stage_bytes, **out}
+
+
+@pytest.mark.parametrize("shape,zero_stage", [({"pp": 2}, 0), ({"pp": 2, "dp": 2}, 3)])
+def test_pipeline_full_state_dict_moves_tensors_not_pickles(shape, zero_stage):
+    results = run_on(2 * shape.get("dp", 1), _full_state_worker, shape, zero_stage)
+    for r in results:
+        every, rank0 = r[False], r[True]
+        assert every["equal"] is True  # every rank, in state_dict order, bit for bit
+        # each pp rank's buffer broadcast to the other: per rank (N - 1) / N of all stages' bytes
+        assert every["broadcast"] == every["bytes"] / 2 and every["sent"] == 0 and every["objects"] == 1
+        if r["rank"] == 0:
+            assert rank0["equal"] is True and rank0["sent"] == 0
+        else:
+            assert rank0["empty"]
+            # only rank 0's pp partner sends, its whole stage; pp groups without rank 0 exchange nothing
+            assert rank0["sent"] == (r["stage_bytes"] if r["rank0_group"] else 0)
+        assert rank0["broadcast"] == 0 and rank0["objects"] == every["objects"] + r["rank0_group"]
