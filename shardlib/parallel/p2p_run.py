@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShardingError
-from ..mesh.guard import post, wait_works
+from ..mesh.guard import native_all_gather, post, wait_works
 from .p2p import ACTIVATION, Message, Post
 
 __all__ = ["Transfers"]
@@ -254,7 +254,7 @@ class Transfers:
         trace = self.mesh.trace
         rec = trace.record("all_gather", trace.label(self.mesh, (self.axis,), 0), mine.shape, mine.dtype,
                            "the pipeline step's input signature (check mode)")
-        work = post(self.mesh, dist.all_gather_into_tensor, rows, mine, group=self.group, async_op=True)
+        work = post(self.mesh, native_all_gather(), rows, mine, group=self.group, async_op=True)
         wait_works(self.mesh, [work], rec, False)
         rows = rows.view(self.p, -1).tolist()
         # training or evaluation is left to the tags (see PipelineRunner); what sizes the transfers must agree
