@@ -1,6 +1,6 @@
 """Pipeline parallelism: shardlib schedules against ``torch.distributed.pipelining``.
 
-Pairs (pp = 2, gloo): shardlib ``schedule="gpipe"`` vs ``ScheduleGPipe``, ``"1f1b"`` vs
+Pairs (pp = 2 gloo ranks, or ``--ranks 4``): shardlib ``schedule="gpipe"`` vs ``ScheduleGPipe``, ``"1f1b"`` vs
 ``Schedule1F1B``, ``"interleaved_1f1b"`` (2 chunks per rank) vs ``ScheduleInterleaved1F1B``. Both
 sides cut the same GPT into the same stages (shardlib's partition, balanced by parameter count;
 PyTorch gets one ``PipelineStage`` per chunk holding exactly those modules) and split the batch
@@ -18,6 +18,7 @@ MemTracker's peak is not measured here (under its dispatch mode shardlib's pipel
 the second rank never completes; see ``Side.memtracker``).
 
     python -m benchmarks.pipeline --quick
+    python -m benchmarks.pipeline --quick --ranks 4
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def torch_side(settings: Settings, cls_name: str, v: int, m: int, data) -> Side:
     p, r = dist.get_world_size(), dist.get_rank()
     model = _model(settings)
     layers = pipeline_layers(model)
+    if len(layers) < p * v:  # torch would build empty stages (and abort in gloo on their transfers)
+        raise ValueError(f"the model has {len(layers)} pipeline layers, fewer than the {p * v} stages of {p} ranks "
+                         f"x {v} chunks")
     bounds = stage_bounds(model, p * v)
     stages, modules = [], []
     for s in range(r, p * v, p):
@@ -143,7 +147,7 @@ def worker(settings: Settings, cases=CASES, microbatches: int = 4) -> list[dict]
 
     import shardlib
 
-    mesh = shardlib.init_mesh({"pp": 2})
+    mesh = shardlib.init_mesh({"pp": dist.get_world_size()})  # every rank of the worker group
     p, rank = mesh.size("pp"), mesh.index("pp")
     data = batches(settings, settings.batch * 2, settings.warmup + settings.steps + 4)
     rows = []
@@ -175,9 +179,10 @@ def main(argv=None) -> dict:
     add_common_args(p)
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (gloo processes): 2 or 4")
     args = p.parse_args(argv)
-    return run_benchmark("pipeline", worker, settings_from_args(args), args.out, cases=tuple(args.cases),
-                         microbatches=args.microbatches)
+    return run_benchmark("pipeline", worker, settings_from_args(args), args.out, nprocs=args.ranks,
+                         cases=tuple(args.cases), microbatches=args.microbatches)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ ZeRO parallelism apply to a stage as to any module.
 
 ``forward_backward`` splits the local batch into microbatches and executes the schedule's
 actions (:mod:`shardlib.parallel.schedules`): activations and their gradients move by
-point-to-point sends with tags (stage, microbatch, direction). The loss of each microbatch is
+point-to-point transfers planned from the schedule (:mod:`shardlib.parallel.p2p`: batches of
+``batch_isend_irecv`` in rounds, each pair's messages in the sender's order, shapes exchanged
+once per input shape) and executed by :mod:`shardlib.parallel.p2p_run`. The loss of each microbatch is
 divided by the number of microbatches, so the accumulated gradients are those of the mean loss
 over the whole local batch, as without a pipeline. Gradients are reduced over the data axes once
 per step, after the last backward; parameters shared by stages on different ranks (a tied
