@@ -54,6 +54,14 @@ def _mesh(mesh: Mesh | None) -> Mesh:
 # under Dynamo too, so they must not be traced either (:mod:`.eager`).
 
 
+def _inverse(where: list[int]) -> list[int]:
+    """The inverse permutation of ``where`` (axis index -> group rank): group rank -> axis index."""
+    order = [0] * len(where)
+    for j, g in enumerate(where):
+        order[g] = j
+    return order
+
+
 @eager
 def _gather(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     n = mesh.size(names)
@@ -83,10 +91,7 @@ def _scatter(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     xs = x.movedim(dim, 0).contiguous()
     where = _group_positions(mesh, names)
     if where is not None:  # axis-index order into group-rank order (a copy)
-        order = [0] * n
-        for j, g in enumerate(where):
-            order[g] = j
-        xs = xs.view((n, xs.shape[0] // n) + tuple(xs.shape[1:]))[order].view(xs.shape)
+        xs = xs.view((n, xs.shape[0] // n) + tuple(xs.shape[1:]))[_inverse(where)].view(xs.shape)
     elif xs.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         xs = xs.clone()  # raw_reduce_scatter clobbers its input; never the caller's tensor
     shard = xs.new_empty((xs.shape[0] // n,) + tuple(xs.shape[1:]))
@@ -160,10 +165,7 @@ def _all_to_all(x, mesh, names, split_dim, concat_dim):
     chunks = [c.contiguous() for c in x.chunk(n, dim=split_dim)]  # piece j goes to axis index j
     where = _group_positions(mesh, names)
     if where is not None:  # torch's lists are in group-rank order
-        by_group = [None] * n
-        for j, g in enumerate(where):
-            by_group[g] = chunks[j]
-        chunks = by_group
+        chunks = [chunks[j] for j in _inverse(where)]
     outs = [torch.empty_like(c) for c in chunks]
     mesh.comm.record(_key(names), "all_to_all", x.numel() * x.element_size(), n)
     rec, _ = begin(mesh, names, "all_to_all", x, 0, "", extra=split_dim * 16 + concat_dim)

@@ -66,6 +66,15 @@ def _group_positions(mesh: Mesh, names: tuple[str, ...]) -> list[int] | None:
     return [slot[r] for r in mesh.axis_ranks(names)]
 
 
+def _flat_layout(mesh: Mesh, axis: Axis, flat: torch.Tensor, shard: torch.Tensor):
+    """``(counter key, axes in mesh order, N, this rank's group rank, slot size, its slot of
+    flat)``: the one layout of both branches (slot ``i`` is group rank ``i``'s)."""
+    names = mesh.group_axes(axis)
+    index = mesh.group_index(names)
+    k = shard.numel()
+    return _key(_names(mesh, axis)), names, mesh.size(names), index, k, flat.view(-1)[index * k : (index + 1) * k]
+
+
 @eager
 def raw_all_reduce(t: torch.Tensor, mesh: Mesh, axis: Axis, op: str = "sum", async_op: bool = False, record: bool = True,
                    channel: int = 0, note: str = "") -> Handle:
@@ -92,12 +101,7 @@ def raw_all_gather(out: torch.Tensor, shard: torch.Tensor, mesh: Mesh, axis: Axi
     view of ``out``'s own slot (in-place all-gather). Counted as ``all_gather`` of ``out``'s
     bytes.
     """
-    key = _key(_names(mesh, axis))
-    names = mesh.group_axes(axis)
-    n = mesh.size(names)
-    index = mesh.group_index(names)  # this rank's slot, on both branches
-    k = shard.numel()
-    slot = out.view(-1)[index * k : (index + 1) * k]
+    key, names, n, index, k, slot = _flat_layout(mesh, axis, out, shard)
     if n == 1:
         if slot.data_ptr() != shard.data_ptr():
             slot.copy_(shard.view(-1))
@@ -126,12 +130,7 @@ def raw_reduce_scatter(shard: torch.Tensor, full: torch.Tensor, mesh: Mesh, axis
     ``shard`` may be a view of ``full``'s own slot. ``op`` is ``"sum"`` or ``"avg"``. Counted as
     ``reduce_scatter`` of ``full``'s bytes.
     """
-    key = _key(_names(mesh, axis))
-    names = mesh.group_axes(axis)
-    n = mesh.size(names)
-    index = mesh.group_index(names)  # this rank's slot, on both branches
-    k = shard.numel()
-    slot = full.view(-1)[index * k : (index + 1) * k]
+    key, names, n, index, k, slot = _flat_layout(mesh, axis, full, shard)
     if n == 1:
         if slot.data_ptr() != shard.data_ptr():
             shard.view(-1).copy_(slot)
