@@ -117,6 +117,26 @@ def _split(rule: tuple, name: str) -> tuple[str, tuple, int]:
     return rule[0], rule[1:], stream_of(name)
 
 
+def meta_init_rules(model: nn.Module, rules: Any, names_of: dict[int, list[str]], params: dict[int, nn.Parameter]) -> dict:
+    """The init rules of a model built on meta (:func:`resolve_init_rules`), or ``{}`` when no
+    parameter is on meta. ``names_of`` / ``params``: each parameter's names and the parameter,
+    by ``id``.
+
+    Raises:
+        ShardingError: only some parameters are on meta (naming one that is not)."""
+    on_meta = [p.device.type == "meta" for p in params.values()]
+    if not any(on_meta):
+        return {}
+    init_rules = resolve_init_rules(model, rules, list(names_of.values()))
+    if not all(on_meta):
+        key = next(k for k in names_of if params[k].device.type != "meta")
+        raise ShardingError(
+            f"some parameters are on the meta device and some are not (e.g. {names_of[key][0]} on {params[key].device}); "
+            "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
+        )
+    return init_rules
+
+
 def resolve_init_rules(model: nn.Module, rules: Any = None, names: list[list[str]] | None = None) -> dict[str, tuple]:
     """``{canonical name: rule}`` for every unique parameter of ``model`` that some rule covers.
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .errors import ShardingError
-from .lazy import missing_rule_error, resolve_init_rules
+from .lazy import meta_init_rules, missing_rule_error
 from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
@@ -383,14 +383,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     for name, prm in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(prm), []).append(name)
         params[id(prm)] = prm
-    params_meta = any(p.device.type == "meta" for p in params.values())
-    init_rules = resolve_init_rules(model, options.get("init_rules"), list(names_of.values())) if params_meta else {}
-    if params_meta and not all(p.device.type == "meta" for p in params.values()):
-        key = next(k for k in names_of if params[k].device.type != "meta")
-        raise ShardingError(
-            f"some parameters are on the meta device and some are not (e.g. {names_of[key][0]} on {params[key].device}); "
-            "shard() materializes a model that is wholly on meta. Fix: build the whole model under torch.device('meta')"
-        )
+    init_rules = meta_init_rules(model, options.get("init_rules"), names_of, params)
 
     # Validate every spec against the mesh and its tensor.
     spec_names_data_axis = False
@@ -493,7 +486,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         dropout_seed=int(options.get("dropout_seed", 0)),
         param_dtype=opts.param_dtype,
         reduce_dtype=opts.reduce_dtype,
-        init_rules=tuple((n, r) for n, r in init_rules.items() if params_meta),
+        init_rules=tuple(init_rules.items()),
         init_seed=int(options.get("init_seed", 0)),
         offload_ratio=opts.offload_ratio,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
