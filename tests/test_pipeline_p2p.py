@@ -1,8 +1,9 @@
 """Pipeline transfers on real processes: what the runner posts is the checked program.
 
-Every ``batch_isend_irecv`` call of a step is recorded and compared with this rank's
+Every transfer call of a step is recorded and compared with this rank's
 :func:`~shardlib.parallel.p2p.transfer_program` (the program :mod:`tests.test_p2p` proves
-pairs in order and cannot deadlock): one call per round, the same operations in the same order,
+pairs in order and cannot deadlock): on the native path one ``batch_isend_irecv`` per round, on
+gloo's default path each round's ``isend`` / ``irecv`` one by one; the same operations in the same order,
 headers only in the first step of an input shape, buffers sized from the cache afterwards. On
 the native path (``mesh.native``, forced on gloo) every tag is 0 and each call returns one work
 for the whole batch, as NCCL's coalescing does (emulated by :func:`nccl_like_p2p`).
@@ -59,20 +60,24 @@ def nccl_like_p2p(mesh, record=None):
 
 @contextlib.contextmanager
 def recorded_p2p(record):
-    """``batch_isend_irecv`` calls appended to ``record`` (as :func:`nccl_like_p2p`), gloo's works."""
+    """gloo's default path: each ``isend`` / ``irecv`` appended to ``record`` as a one-operation
+    call (as :func:`nccl_like_p2p` records a batch), peers as global ranks, gloo's works."""
     import torch.distributed as dist
 
-    batch = dist.batch_isend_irecv
+    isend, irecv = dist.isend, dist.irecv
 
-    def recording(ops):
-        record.append([(op.op.__name__, op.peer, tuple(op.tensor.shape), str(op.tensor.dtype), op.tag) for op in ops])
-        return batch(ops)
+    def wrap(fn, name, key):
+        def recording(tensor, *args, group=None, tag=0, **kwargs):
+            peer = dist.get_global_rank(group, kwargs[key]) if key in kwargs else args[0]
+            record.append([(name, peer, tuple(tensor.shape), str(tensor.dtype), tag)])
+            return fn(tensor, *args, group=group, tag=tag, **kwargs)
+        return recording
 
-    dist.batch_isend_irecv = recording
+    dist.isend, dist.irecv = wrap(isend, "isend", "group_dst"), wrap(irecv, "irecv", "group_src")
     try:
         yield
     finally:
-        dist.batch_isend_irecv = batch
+        dist.isend, dist.irecv = isend, irecv
 
 
 def _config():
@@ -134,7 +139,10 @@ def test_runner_posts_its_checked_program_and_shapes_once_per_input_shape(native
     for rank, steps in enumerate(results):
         assert [s["handshake"] for s in steps] == [True, False, True, False]
         for i, s in enumerate(steps):
-            assert s["calls"] == s["expected"]  # same operations, peers, shapes, dtypes, in the same order
+            if native:  # one batch_isend_irecv per Post: same operations, peers, shapes, dtypes, in the same order
+                assert s["calls"] == s["expected"]
+            else:  # gloo: every Post's operations one by one, in the program's order
+                assert s["calls"] == [[op] for call in s["expected"] for op in call]
             assert s["traced"] == sum(len(c) for c in s["calls"])  # no transfer outside a batch
             headers = sum(op[2] == (10,) for call in s["calls"] for op in call)
             assert headers == (1 if s["handshake"] else 0)  # one boundary: one header, from stage 0

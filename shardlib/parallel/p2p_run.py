@@ -144,6 +144,7 @@ class Transfers:
         self.p = mesh.size(axis)
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
+        self._group_rank = {r: i for i, r in enumerate(sorted(self.ranks))}  # global rank -> rank in the group
         self.inbox: dict[Message, torch.Tensor] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         self._batches: dict[int, _Batch] = {}
@@ -162,40 +163,54 @@ class Transfers:
 
     def post(self, ins: Post, shapes: dict) -> None:
         """Post one batch: ``ins.sends`` from :attr:`outbox`, ``ins.recvs`` into fresh buffers on
-        the mesh's device, sized by ``shapes`` (``{("in" | "out", stage): (shape, dtype)}``)."""
-        device, tag, mesh = self.mesh.device, self._tag, self.mesh
-        ops, slots, recs = [], [], []
+        the mesh's device, sized by ``shapes`` (``{("in" | "out", stage): (shape, dtype)}``).
+
+        With :attr:`Mesh.native <shardlib.mesh.Mesh.native>` (NCCL) the batch is one
+        ``batch_isend_irecv`` (one NCCL group); otherwise (gloo, whose ``batch_isend_irecv`` issues
+        its operations one by one anyway, and torch's fake group, whose ``batch_isend_irecv`` takes
+        no meta tensors) each is an ``isend`` / ``irecv`` in the batch's order. The operations are
+        issued first and traced and counted after, so a send leaves as soon as the compute that
+        made it ends (the Python between the two is on the pipeline's critical path)."""
+        device, mesh, p = self.mesh.device, self.mesh, self.p
+        ops = []  # (isend | irecv, tensor, peer's global rank, message)
         for msg in ins.sends:
-            dst = self.ranks[msg.dst_stage % self.p]
             if msg.header:
                 t = _header(self.outbox[Message(msg.kind, msg.stage, msg.microbatch)], device)
             else:
                 t = self.outbox.pop(msg)
-                mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
-            recs.append(self._trace("send", t, msg, dst))
-            ops.append(dist.P2POp(dist.isend, t, dst, self.group, tag))
-            slots.append(None)
+            ops.append((dist.isend, t, self.ranks[msg.dst_stage % p], msg))
         alloc = torch.zeros if self.fake else torch.empty
         for msg in ins.recvs:
-            src = self.ranks[msg.stage % self.p]
             if msg.header:
                 buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
             else:
                 shape, dtype = shapes[("in" if msg.kind == ACTIVATION else "out", msg.dst_stage)]
                 buf = alloc(shape, dtype=dtype, device=device)
-            recs.append(self._trace("recv", buf, msg, src))
-            ops.append(dist.P2POp(dist.irecv, buf, src, self.group, tag))
-            slots.append(msg)
+            ops.append((dist.irecv, buf, self.ranks[msg.stage % p], msg))
             self.inbox[msg] = buf
-        if self.fake:  # torch's batch_isend_irecv takes no meta tensors (a dry run); one by one is what it does on gloo
-            works = [post(mesh, op.op, op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
-        else:
-            works = post(mesh, dist.batch_isend_irecv, ops)
+        works = self._issue(ops)
+        recs, slots = [], []
+        for op, t, peer, msg in ops:
+            send = op is dist.isend
+            if send and not msg.header:
+                mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
+            recs.append(self._trace("send" if send else "recv", t, msg, peer))
+            slots.append(None if send else msg)
         done = None
         if ins.recvs and mesh.backend == "gloo" and mesh.watchdog is not None and len(works) == len(ops):
             first = len(ins.sends)  # the receives' works (the sends are waited for at the end of the step)
             done = [None] * first + _prefetch().submit(works[first:], mesh.timeout)
         self._batches[ins.batch] = _Batch(works, slots, recs, done)
+
+    def _issue(self, ops: list) -> list:
+        """The works of ``ops`` (see :meth:`post`): one ``batch_isend_irecv`` on the native path,
+        else each operation on its own, peers given as group ranks."""
+        mesh, tag, group = self.mesh, self._tag, self.group
+        if mesh.native and not self.fake:
+            return post(mesh, dist.batch_isend_irecv, [dist.P2POp(op, t, peer, group, tag) for op, t, peer, _ in ops])
+        grank = self._group_rank
+        return [post(mesh, dist.isend, t, group=group, tag=tag, group_dst=grank[peer]) if op is dist.isend
+                else post(mesh, dist.irecv, t, group=group, tag=tag, group_src=grank[peer]) for op, t, peer, _ in ops]
 
     def wait(self, batch: int, msg: Message | None) -> None:
         """Wait for the work that carries ``msg`` (every work of the batch where the backend made
