@@ -1,7 +1,8 @@
 """The executor of a pipeline step's transfer program (:mod:`.p2p`) on a process group.
 
-:class:`Transfers` posts each :class:`~.p2p.Post` as one ``batch_isend_irecv`` (through
-:func:`shardlib.mesh.guard.post`, every tensor on ``mesh.device``), waits for a receive just
+:class:`Transfers` posts each :class:`~.p2p.Post` (one ``batch_isend_irecv`` on the native
+path, each ``isend`` / ``irecv`` on its own on gloo; through :func:`shardlib.mesh.guard.post`,
+every tensor on ``mesh.device``), waits for a receive just
 before its use, reads shape headers, and waits for what is left at the end of the step.
 
 Waits. On NCCL a wait orders the compute stream after the transfer and returns at once. On gloo
@@ -144,7 +145,6 @@ class Transfers:
         self.p = mesh.size(axis)
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
-        self._group_rank = {r: i for i, r in enumerate(sorted(self.ranks))}  # global rank -> rank in the group
         self.inbox: dict[Message, torch.Tensor] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
         self._batches: dict[int, _Batch] = {}
@@ -172,13 +172,13 @@ class Transfers:
         issued first and traced and counted after, so a send leaves as soon as the compute that
         made it ends (the Python between the two is on the pipeline's critical path)."""
         device, mesh, p = self.mesh.device, self.mesh, self.p
-        ops = []  # (isend | irecv, tensor, peer's global rank, message)
+        ops = []  # (send?, tensor, the peer's index on the axis = its rank in the axis's group, message)
         for msg in ins.sends:
             if msg.header:
                 t = _header(self.outbox[Message(msg.kind, msg.stage, msg.microbatch)], device)
             else:
                 t = self.outbox.pop(msg)
-            ops.append((dist.isend, t, self.ranks[msg.dst_stage % p], msg))
+            ops.append((True, t, msg.dst_stage % p, msg))
         alloc = torch.zeros if self.fake else torch.empty
         for msg in ins.recvs:
             if msg.header:
@@ -186,15 +186,14 @@ class Transfers:
             else:
                 shape, dtype = shapes[("in" if msg.kind == ACTIVATION else "out", msg.dst_stage)]
                 buf = alloc(shape, dtype=dtype, device=device)
-            ops.append((dist.irecv, buf, self.ranks[msg.stage % p], msg))
+            ops.append((False, buf, msg.stage % p, msg))
             self.inbox[msg] = buf
         works = self._issue(ops)
         recs, slots = [], []
-        for op, t, peer, msg in ops:
-            send = op is dist.isend
+        for send, t, peer, msg in ops:
             if send and not msg.header:
                 mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
-            recs.append(self._trace("send" if send else "recv", t, msg, peer))
+            recs.append(self._trace("send" if send else "recv", t, msg, self.ranks[peer]))
             slots.append(None if send else msg)
         done = None
         if ins.recvs and mesh.backend == "gloo" and mesh.watchdog is not None and len(works) == len(ops):
@@ -204,13 +203,13 @@ class Transfers:
 
     def _issue(self, ops: list) -> list:
         """The works of ``ops`` (see :meth:`post`): one ``batch_isend_irecv`` on the native path,
-        else each operation on its own, peers given as group ranks."""
+        else each operation on its own, the peer named by its rank in the group."""
         mesh, tag, group = self.mesh, self._tag, self.group
         if mesh.native and not self.fake:
-            return post(mesh, dist.batch_isend_irecv, [dist.P2POp(op, t, peer, group, tag) for op, t, peer, _ in ops])
-        grank = self._group_rank
-        return [post(mesh, dist.isend, t, group=group, tag=tag, group_dst=grank[peer]) if op is dist.isend
-                else post(mesh, dist.irecv, t, group=group, tag=tag, group_src=grank[peer]) for op, t, peer, _ in ops]
+            return post(mesh, dist.batch_isend_irecv, [dist.P2POp(dist.isend if send else dist.irecv, t, self.ranks[peer],
+                                                                  group, tag) for send, t, peer, _ in ops])
+        return [post(mesh, dist.isend, t, group=group, tag=tag, group_dst=peer) if send
+                else post(mesh, dist.irecv, t, group=group, tag=tag, group_src=peer) for send, t, peer, _ in ops]
 
     def wait(self, batch: int, msg: Message | None) -> None:
         """Wait for the work that carries ``msg`` (every work of the batch where the backend made

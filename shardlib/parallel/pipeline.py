@@ -10,7 +10,8 @@ ZeRO parallelism apply to a stage as to any module.
 ``forward_backward`` splits the local batch into microbatches and executes the schedule's
 actions (:mod:`shardlib.parallel.schedules`): activations and their gradients move by
 point-to-point transfers planned from the schedule (:mod:`shardlib.parallel.p2p`: batches of
-``batch_isend_irecv`` in rounds, each pair's messages in the sender's order, shapes exchanged
+sends and receives in rounds, one ``batch_isend_irecv`` each on NCCL, each pair's messages in
+the sender's order, shapes exchanged
 once per input shape) and executed by :mod:`shardlib.parallel.p2p_run`. The loss of each microbatch is
 divided by the number of microbatches, so the accumulated gradients are those of the mean loss
 over the whole local batch, as without a pipeline. Gradients are reduced over the data axes once
@@ -165,7 +166,7 @@ class PipelineRunner:
     """Executes a schedule on this rank: microbatches, point-to-point transfers, timeline.
 
     The transfers of a step follow this rank's :func:`~shardlib.parallel.p2p.transfer_program`
-    (rounds of ``batch_isend_irecv``, receives posted as soon as their message exists, each
+    (rounds of sends and receives, receives posted as soon as their message exists, each
     waited for just before its use; the order on every pair of ranks the sender's, by
     construction). Shapes are exchanged once per input signature (the local batch's shape and
     dtype, training or evaluation, autocast): the first step of a signature sends a header before
