@@ -328,6 +328,41 @@ def test_ops_compose_with_torch_compile():
         torch.testing.assert_close(a, b)
 
 
+def test_fused_adamw_calls_the_op_only_under_compile(monkeypatch):
+    """FusedAdamW's eager step calls the implementation itself (the custom op's dispatch cost
+    more than the update, see kernels.adamw._eager_adamw); traced by Dynamo it is the op, so
+    the graph holds ``shardlib.adamw_``. Both give the values of torch.optim.AdamW."""
+    from shardlib.kernels import adamw as kadamw
+
+    calls = []
+    monkeypatch.setattr(kadamw, "adamw_", lambda *a: (calls.append(1), kadamw._adamw_step(*a))[1])
+    p, ref = torch.nn.Parameter(torch.arange(8.0)), torch.nn.Parameter(torch.arange(8.0))
+    opt, topt = kernels.FusedAdamW([p], lr=0.1, weight_decay=0.1), torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        p.grad, ref.grad = torch.linspace(-1, 1, 8), torch.linspace(-1, 1, 8)
+        opt.step()
+        topt.step()
+    assert calls == []  # eager: no op dispatch
+    torch.testing.assert_close(p.detach(), ref.detach())
+    monkeypatch.undo()
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def args():
+        return (torch.arange(16.0), torch.ones(16), torch.zeros(16), torch.zeros(16), None, 1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0)
+
+    eager, traced = args(), args()
+    kadamw._eager_adamw(*eager)
+    torch.compile(kadamw._eager_adamw, backend=backend, fullgraph=True)(*traced)
+    assert "shardlib.adamw_.default" in seen
+    for a, b in zip(eager[:4], traced[:4]):
+        torch.testing.assert_close(a, b)
+
+
 # -- the switch ----------------------------------------------------------------------------------
 
 
