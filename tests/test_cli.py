@@ -11,9 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(tmp_path, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_gpt.py"), "--steps", "1", "--batch-size", "4", "--block-size", "16",
+def _torchrun(tmp_path, *args, nproc=2):
+    """train_gpt.py with ``args`` under torchrun on ``nproc`` ranks (``None``: one plain process)."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                if nproc else [sys.executable])
+    cmd = [*launcher, str(ROOT / "examples" / "train_gpt.py"), "--steps", "1", "--batch-size", "4", "--block-size", "16",
            "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--sample", "0", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("SHARDLIB_TRACEBACK", None)
@@ -21,25 +23,29 @@ def _torchrun(tmp_path, *args):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("args,message", [
-    (("--zero-stage", "5"), "train_gpt.py: error: argument --zero-stage: invalid choice: 5"),
-    (("--val-files", "hamlet.txt"), "held-out files hamlet.txt (--val-files) name files of a --data folder"),
-    (("--mesh", "dp=1,tp=2", "--n-head", "1"), "ShardingError: attention blocks.0.attn"),
+@pytest.mark.parametrize("args,message,nproc", [
+    (("--zero-stage", "5"), "train_gpt.py: error: argument --zero-stage: invalid choice: 5", 2),
+    (("--val-files", "hamlet.txt"), "held-out files hamlet.txt (--val-files) name files of a --data folder", 2),
+    (("--mesh", "dp=1,tp=2", "--n-head", "1"), "ShardingError: attention blocks.0.attn", 2),
     # found by a review: these crashed after training, with a traceback per rank, or misled
-    (("--steps", "0"), "argument --steps: expected a positive integer, got 0"),
-    (("--n-layer", "0"), "argument --n-layer: expected a positive integer, got 0"),
-    (("--mesh", "dp=2,dp=1"), "argument --mesh: 'dp=2,dp=1': axis 'dp' is given twice"),  # now at parse time
-    (("--eval-only",), "--eval-only evaluates a trained model: it needs --resume CHECKPOINT"),
+    (("--eval-only",), "--eval-only evaluates a trained model: it needs --resume CHECKPOINT", 2),
+    # the same parse-time path (p.error, before torch.distributed starts) as --eval-only: one process
+    (("--steps", "0"), "argument --steps: expected a positive integer, got 0", None),
+    (("--n-layer", "0"), "argument --n-layer: expected a positive integer, got 0", None),
+    (("--mesh", "dp=2,dp=1"), "argument --mesh: 'dp=2,dp=1': axis 'dp' is given twice", None),  # now at parse time
 ])
-def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message):
-    out = _torchrun(tmp_path, *args)
+def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message, nproc):
+    out = _torchrun(tmp_path, *args, nproc=nproc)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("train_gpt.py: error")]
     assert len(ours) == 1 and message in ours[0], out.stderr[-3000:]
     assert "Fix:" in ours[0] or "see --help" in ours[0] or "--mesh" in ours[0] or "--resume" in ours[0]
     # no rank's traceback and no recorded error file (torchrun's own ChildFailedError summary remains)
     assert "[rank" not in out.stderr and 'train_gpt.py", line' not in out.stderr, out.stderr[-3000:]
-    assert "error_file: <N/A>" in out.stderr
+    if nproc:
+        assert "error_file: <N/A>" in out.stderr
+    else:
+        assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert len((out.stdout + out.stderr).splitlines()) < 60, out.stdout + out.stderr
 
 
