@@ -273,6 +273,72 @@ def test_killed_rank_is_named_gone(case):
     assert "rank 1 is gone" in msg and "pid" in msg and "Connection closed" not in msg.split("\n")[0], msg
 
 
+def _lose_rank1_mid_pipeline(signal_name: str):
+    """A 2-stage pipeline: after one step, rank 1 (the last stage) sends itself ``signal_name``
+    at the start of the next, so rank 0 blocks in its point-to-point wait for a gradient."""
+    import os
+    import signal
+
+    import torch
+
+    import shardlib
+
+    os.environ["SHARDLIB_WATCHDOG"] = "2"
+    os.environ["SHARDLIB_WATCHDOG_ANSWER"] = "3"  # only the frozen rank is silent: the diagnosis waits this long for it
+    mesh = shardlib.init_mesh({"pp": 2})
+    mesh.trace.check = False  # else check mode's signature all-gather (a sliced wait) meets the frozen rank first
+    torch.manual_seed(0)
+    smodel = shardlib.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), mesh, microbatches=2)
+    x, y = torch.ones(4, 4), torch.zeros(4, 4)
+    for step in range(2):
+        if step == 1 and mesh.rank == 1:
+            os.kill(os.getpid(), getattr(signal, signal_name))
+        smodel.forward_backward(x, criterion=torch.nn.functional.mse_loss, labels=(y,))
+    return "done"
+
+
+def test_frozen_rank_in_a_pipeline_wait_is_named():
+    """A point-to-point wait is not sliced (a timed-out gloo wait closes the pair): the main
+    thread waits itself and the answering thread diagnoses it. Nothing can interrupt a wait on a
+    frozen peer, so the worker reports the verdict and ends (Watchdog.on_fatal)."""
+    err = _run_failing(2, _lose_rank1_mid_pipeline, "SIGSTOP")
+    assert err.rank == 0 and err.exc_type == "RankFailureError", err
+    assert err.message.startswith("rank 1 is frozen") and "stopped (SIGSTOP" in err.message, err.message
+    assert "rank 0 (" in err.message and "gradient of stage 1 microbatch" in err.message, err.message
+    assert "watchdog thread" in err.remote_traceback, err.remote_traceback  # reported by Watchdog.on_fatal, not raised
+
+
+def test_killed_rank_in_a_pipeline_wait_is_named_gone():
+    """The peer of a point-to-point wait is killed: the wait fails at once (the connection
+    closes) and the main thread raises the diagnosis, naming the rank that is gone."""
+    err = _run_failing(2, _lose_rank1_mid_pipeline, "SIGKILL")
+    assert err.errors[1][0] == "ProcessExit" and "SIGKILL" in err.errors[1][1]
+    exc, msg = err.errors[0]
+    assert exc == "RankFailureError" and "rank 1 is gone" in msg, msg
+
+
+def test_end_process_reports_the_verdict_and_keeps_an_existing_error_file(tmp_path):
+    """Watchdog.on_fatal outside a launch worker: the verdict on stderr and in torchrun's error
+    file (a file already there is not replaced), exit status 1."""
+    import json
+    import subprocess
+    import sys
+
+    code = "from shardlib.mesh.watchdog import _end_process; _end_process('RankFailureError', 'rank 1 is frozen')"
+    for existing in (False, True):
+        path = tmp_path / f"error{int(existing)}.json"
+        if existing:
+            path.write_text("theirs")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, "TORCHELASTIC_ERROR_FILE": str(path)})
+        assert out.returncode == 1
+        assert "shardlib: RankFailureError: rank 1 is frozen" in out.stderr, out.stderr
+        if existing:
+            assert path.read_text() == "theirs"
+        else:
+            assert json.loads(path.read_text())["message"]["message"] == "RankFailureError: rank 1 is frozen"
+
+
 # -- the NCCL branch of the waits, forced on gloo ----------------------------------------------------
 
 def _forced_nccl_branch():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shardlib.errors import ShardingError
-from shardlib.parallel.p2p import Message, Post, Read, Run, Wait, action_times, needed_by, sent_by, transfer_program
+from shardlib.parallel.p2p import (Message, Post, Read, Run, Wait, action_times, needed_by, receives_first, sent_by,
+                                   transfer_program)
 from shardlib.parallel.p2p_check import check_programs
 from shardlib.parallel.schedules import Action, build_schedule, simulate
 
@@ -49,6 +50,69 @@ def test_programs_pair_in_order_and_never_deadlock(name, p, m, v):
                     if isinstance(ins, Wait) and ins.message is not None:
                         nxt = prog[i + 1]
                         assert isinstance(nxt, Run) and needed_by(sched[r][nxt.index], p * v) == ins.message
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_receives_first_pairs_on_gloo_and_would_deadlock_nccl(name, p, m, v):
+    """gloo's steady programs post every receive at the start (a gloo pair sends only to a posted
+    receive): the same pairs in the same order, no deadlock and the schedule's own makespan under
+    gloo's semantics; each receive still waited for just before its use. Under NCCL's in-order
+    batches the first batch (every receive) would hold back every send: a deadlock, so the native
+    path keeps the rounds. (That each compute's input is waited for first is check_programs'.)"""
+    full = build_schedule(name, p, m, v)
+    for sched in (full, _forwards(full)):
+        rounds = [transfer_program(sched, r) for r in range(p)]
+        first = [receives_first(prog) for prog in rounds]
+        check = check_programs(sched, first, "gloo")
+        assert check.pairs == check_programs(sched, rounds, "gloo").pairs
+        if sched is full:
+            assert check.makespan == simulate(sched, backward_cost=2).makespan
+        for r, prog in enumerate(first):
+            posts = [ins for ins in prog if isinstance(ins, Post)]
+            k = next((i for i, ins in enumerate(prog) if not isinstance(ins, Post) or ins.sends), len(prog))
+            leading = [x for ins in prog[:k] for x in ins.recvs]  # the posts before anything else
+            assert leading == [x for ins in rounds[r] if isinstance(ins, Post) for x in ins.recvs]  # all, in order
+            assert not any(ins.recvs for ins in posts[k:])
+            for i, ins in enumerate(prog):  # receives are waited for just before a compute (which uses one of them)
+                if isinstance(ins, Wait) and ins.message is not None:
+                    nxt = next(x for x in prog[i:] if not isinstance(x, Wait))
+                    assert isinstance(nxt, Run)
+        if p > 1 and any(ins.recvs for prog in first for ins in prog if isinstance(ins, Post)) and sched is full:
+            with pytest.raises(ShardingError, match="deadlock"):
+                check_programs(sched, first, "nccl")
+
+
+def test_receives_first_refuses_a_handshake_program():
+    sched = build_schedule("1f1b", 2, 4, 1)
+    with pytest.raises(ShardingError, match="handshake"):
+        receives_first(transfer_program(sched, 1, handshake=True))
+
+
+def test_gloo_wait_makes_the_whole_batch_ready(monkeypatch):
+    """A program waits once per batch (check_programs' model: the wait makes every receive of
+    the batch ready); on gloo each operation is a work of its own, so the runner's wait for a
+    batch waits for each of its receives (it used to wait for the named one only, and the next
+    compute read the other receive's buffer unwaited); its sends wait for the end of the step."""
+    from shardlib.parallel import p2p_run
+
+    waited = []
+
+    class Work:
+        def __init__(self, name):
+            self.name = name
+
+    monkeypatch.setattr(p2p_run, "wait_works", lambda mesh, works, rec, p2p: waited.extend(w.name for w in works))
+    transfers = p2p_run.Transfers.__new__(p2p_run.Transfers)
+    transfers.mesh = None
+    first, second = Message("activation", 0, 0), Message("gradient", 2, 0)
+    transfers._batches = {0: p2p_run._Batch([Work("send"), Work("first"), Work("second")], [None, first, second],
+                                            [{}, {}, {}])}
+    transfers.wait(0, first)
+    assert waited == ["first", "second"]
+    transfers.wait(0, second)
+    assert waited == ["first", "second"]  # nothing left to wait for before its use
+    transfers.finish()
+    assert waited == ["first", "second", "send"]
 
 
 def test_p2_pair_carries_activations_and_gradients_in_the_senders_order():

@@ -55,6 +55,14 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn)
     from .watchdog import process_watchdog
 
     trace, dog = process_watchdog(None)  # answers the others' diagnosis from now on
+    if dog is not None:
+        def fatal(cls: str, text: str) -> None:  # the main thread is blocked for good: report, then end
+            trace.set_status(f"raised {cls}")
+            conn.send(("err", (cls, text, "raised by shardlib's watchdog thread: the main thread was blocked in a "
+                                          "point-to-point wait that nothing can interrupt\n")))
+            os._exit(1)
+
+        dog.on_fatal = fatal
     conn.send(("ready", None))
     while True:
         try:

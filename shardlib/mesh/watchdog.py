@@ -18,9 +18,18 @@ the main thread waits the same way (:meth:`Watchdog.call`).
 
 Waits on gloo collectives (``all_reduce``, ``broadcast``, ``all_gather_into_tensor``) are
 sliced directly: an expired slice leaves the collective running. A gloo point-to-point wait
-that expires closes the connection, so point-to-point works are waited on by one helper thread
-and the main thread waits for its signal. On NCCL a wait orders CUDA streams and returns at
-once: nothing here blocks the host there (the NCCL watchdog bounds the collective itself).
+that expires closes the connection, so the main thread waits for a point-to-point work
+directly, under what is left of ``SHARDLIB_TIMEOUT`` (no thread between gloo's and the main
+thread: a pipeline receive wakes the main thread as torch's own schedules do), and the
+answering thread watches it: after ``SHARDLIB_WATCHDOG`` seconds it diagnoses as a sliced wait
+does. A fatal verdict is published (every other rank raises it); a peer that is gone or raises
+closes the connection, so the blocked wait fails and raises the verdict; if it is still blocked
+a few seconds later (the peer frozen, or blocked in a point-to-point wait of its own), nothing
+can interrupt it, so the process ends with the verdict (:attr:`Watchdog.on_fatal`: a
+:func:`~shardlib.mesh.launch.launch` worker reports it as its error; otherwise it is written to
+stderr and to torchrun's error file, and the process exits with status 1). On NCCL a wait orders
+CUDA streams and returns at once: nothing here blocks the host there (the NCCL watchdog bounds
+the collective itself).
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import queue
 import socket
 import sys
 import threading
@@ -45,6 +53,7 @@ _CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, Co
 _GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
 _SLICE = 1.0
 _POLL = 1.0
+_GRACE = 3.0  # s a point-to-point wait may take to fail after a fatal verdict before the process ends
 _RECORDS = 128
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,29 +70,6 @@ def watchdog_seconds() -> float:
 def _is_slice_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text and "pair closure" not in text
-
-
-class _Waiter:
-    """One thread that waits on point-to-point works (a timed-out gloo p2p wait closes the pair)."""
-
-    def __init__(self):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="shardlib-p2p-waiter", daemon=True).start()
-
-    def submit(self, works, timeout) -> list:
-        box = [threading.Event(), None]
-        self._q.put((works, timeout, box))
-        return box
-
-    def _run(self) -> None:
-        while True:
-            works, timeout, box = self._q.get()
-            try:
-                for w in works:
-                    w.wait(timeout)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                box[1] = exc
-            box[0].set()
 
 
 class _Call:
@@ -130,7 +116,9 @@ class Watchdog:
         self.read_settings()
         self.verdict: tuple[int, str, str] | None = None
         self.handled = 0
-        self._waiter: _Waiter | None = None
+        # a point-to-point wait of the main thread, watched by the answering thread: (record, start)
+        self._blocked: tuple | None = None
+        self.on_fatal = _end_process  # (class name, message) -> never returns; see the module doc
         self._main = threading.main_thread().ident
         self._lock = threading.Lock()
         self._answered = int(store.add(_GEN, 0))
@@ -140,6 +128,7 @@ class Watchdog:
         import atexit
 
         atexit.register(self._at_exit)  # after init_mesh's destroy_process_group: runs before it (LIFO)
+        self._watching, self._next_check, self._noted = None, 0.0, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardlib-watchdog", daemon=True)
         self._thread.start()
@@ -149,39 +138,34 @@ class Watchdog:
         """Wait for ``works`` (gloo), raising a :class:`CollectiveError` that names the ranks and
         collectives if they cannot complete.
 
+        ``p2p``: gloo point-to-point works, waited for directly on this thread (a timed-out
+        point-to-point wait closes the connection, so it cannot be sliced), watched by the
+        answering thread (see the module doc).
+
         Raises:
             CollectiveMismatchError: the ranks' collectives differ, or a rank stopped issuing them.
             RankFailureError: a rank is gone or frozen.
             CollectiveTimeoutError: ``timeout`` passed while a rank was busy elsewhere.
         """
+        if p2p:
+            return self._wait_direct(works, rec, timeout)
         next_check = self.seconds
         start = time.monotonic()
         limit = timeout.total_seconds()
-        box = None
-        if p2p:
-            if self._waiter is None:
-                self._waiter = _Waiter()
-            box = self._waiter.submit(works, timeout)
         self.trace.waiting = (rec, start)
         last, noted = None, False
         try:
             pending = list(works)
             while True:
                 try:
-                    if box is not None:
-                        if box[0].wait(_SLICE):
-                            if box[1] is not None:
-                                raise box[1]
-                            return
-                    else:
-                        while pending:
-                            pending[0].wait(datetime.timedelta(seconds=_SLICE))
-                            pending.pop(0)
-                        return
+                    while pending:
+                        pending[0].wait(datetime.timedelta(seconds=_SLICE))
+                        pending.pop(0)
+                    return
                 except CollectiveError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
-                    if not (box is None and _is_slice_timeout(exc) and not pending[0].is_completed()):
+                    if not (_is_slice_timeout(exc) and not pending[0].is_completed()):
                         text = str(exc).lower()
                         if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
                             raise CollectiveTimeoutError(  # the backend's own timeout (the same SHARDLIB_TIMEOUT)
@@ -191,8 +175,7 @@ class Watchdog:
                 self._raise_verdict()
                 waited = time.monotonic() - start
                 if waited >= next_check:
-                    fatal, cls, text = self.diagnose(finished=lambda: box[0].is_set() if box is not None else
-                                                     all(w.is_completed() for w in pending))
+                    fatal, cls, text = self.diagnose(finished=lambda: all(w.is_completed() for w in pending))
                     last = text
                     if fatal:
                         raise _CLASSES.get(cls, CollectiveError)(text)
@@ -214,6 +197,62 @@ class Watchdog:
         fatal, cls, text = self.diagnose(lost=True)
         raise _CLASSES.get(cls, CollectiveError)(
             f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
+
+    def _wait_direct(self, works, rec: dict | None, timeout: datetime.timedelta) -> None:
+        """Wait for gloo point-to-point ``works`` on this thread, each under what is left of
+        ``timeout``, watched by the answering thread (see the module doc and :meth:`_watch`)."""
+        self._raise_verdict()
+        start = time.monotonic()
+        limit = timeout.total_seconds()
+        blocked = (rec, start)
+        self.trace.waiting = blocked
+        self._blocked = blocked
+        try:
+            for w in works:
+                w.wait(datetime.timedelta(seconds=max(limit - (time.monotonic() - start), 1e-3)))
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a peer is gone, raised, or the timeout passed
+            self._blocked = None
+            self._raise_verdict()  # the answering thread's verdict, or another rank's
+            text = str(exc).lower()
+            if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
+                raise CollectiveTimeoutError(
+                    f"a point-to-point transfer waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
+                    f"{self.rank}") from exc
+            self.fail(exc)
+        finally:
+            self._blocked = None
+            self.trace.waiting = None
+
+    def _watch(self) -> None:
+        """The answering thread's part of a point-to-point wait of the main thread: diagnose it
+        every ``SHARDLIB_WATCHDOG`` seconds; on a fatal verdict (this rank's diagnosis or another
+        rank's), give the wait a few polls to fail (a peer that raises or is gone closes the
+        connection), then end the process with the verdict (:attr:`on_fatal`)."""
+        blocked = self._blocked
+        if blocked is None:
+            return
+        waited = time.monotonic() - blocked[1]
+        if self._watching is not blocked:
+            self._watching, self._next_check, self._noted = blocked, self.seconds, False
+        verdict = self.verdict if self.verdict is not None and self.verdict[0] > self.handled else None
+        if verdict is None and waited >= self._next_check:
+            fatal, cls, text = self.diagnose(finished=lambda: self._blocked is not blocked, own=False)
+            if fatal:
+                verdict = self.verdict
+            elif not self._noted:
+                self._noted = True
+                sys.stderr.write(f"shardlib rank {self.rank}: a point-to-point transfer has waited {waited:.0f} s:\n{text}\n")
+            self._next_check = waited + self.seconds
+        if verdict is None:
+            return
+        deadline = time.monotonic() + _GRACE
+        while time.monotonic() < deadline:
+            if self._blocked is not blocked:
+                return  # the wait ended: the main thread raises the verdict itself
+            time.sleep(0.05)
+        self.on_fatal(verdict[1], verdict[2])
 
     def call(self, fn, rec: dict, timeout: datetime.timedelta, collective: bool = False):
         """Run ``fn()``, blocking ``torch.distributed`` calls that shardlib does not issue itself
@@ -319,7 +358,7 @@ class Watchdog:
                 state["step"] = int(header.get("step", 0) or 0)
         return state
 
-    def diagnose(self, lost: bool = False, finished=None) -> tuple[bool, str, str]:
+    def diagnose(self, lost: bool = False, finished=None, own: bool = True) -> tuple[bool, str, str]:
         """Ask every rank for its state through the store and analyze them.
 
         Args:
@@ -327,6 +366,9 @@ class Watchdog:
                 half as long, and the verdict is fatal whatever the others say.
             finished: ``() -> bool``, whether this rank's wait completed meanwhile (the states are
                 a few seconds old by the end): a fatal verdict is then dropped, not published.
+            own: the caller raises a fatal verdict itself (the main thread); ``False`` (the
+                answering thread, for a point-to-point wait of the main thread): it becomes
+                :attr:`verdict`, which the main thread raises.
 
         Returns:
             ``(fatal, error class name, message)``; a fatal verdict is also published, so every
@@ -359,7 +401,10 @@ class Watchdog:
             store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text]))
             store.add(_VCOUNT, 1)
             with self._lock:
-                self.handled = max(self.handled, gen)
+                if own:
+                    self.handled = max(self.handled, gen)
+                elif gen > self.handled:
+                    self.verdict = (gen, cls, text)
         return fatal, cls, text
 
     # -- the answering thread ----------------------------------------------------------------------
@@ -384,6 +429,7 @@ class Watchdog:
                                     self.verdict = (g, cls, text)
                             break
                     self._vseen, self._vgen = v, gen
+                self._watch()
             except Exception:  # noqa: BLE001 - the store went away (its host ended): keep quiet
                 time.sleep(5 * _POLL)
 
@@ -398,6 +444,28 @@ class Watchdog:
                            json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
         except Exception:  # noqa: BLE001
             pass
+
+
+def _end_process(cls: str, text: str) -> None:
+    """:attr:`Watchdog.on_fatal` outside a launch worker: the verdict to stderr and, under
+    torchrun, to the worker's error file (torchrun then names it as the root cause; a file
+    already there is left alone), then ``os._exit(1)``."""
+    import traceback
+
+    main = sys._current_frames().get(threading.main_thread().ident)
+    stack = "".join(traceback.format_stack(main)) if main is not None else ""
+    sys.stderr.write(f"shardlib: {cls}: {text}\n(shardlib's watchdog ends this process: its main thread is blocked in "
+                     "a point-to-point wait that nothing can interrupt)\n")
+    sys.stderr.flush()
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": f"{cls}: {text}",
+                                       "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass
+    os._exit(1)
 
 
 _PROCESS: dict = {}

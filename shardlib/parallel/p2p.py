@@ -33,6 +33,15 @@ batch; the receiver reads it on the host between two batches of that round, then
 activation's receive. A gradient has the shape of the stage's own output. A *steady* program
 (every later step) sends no headers.
 
+gloo. A gloo TCP pair sends a message only once the receiver has posted its receive (the
+receiver's notice travels first), so a receive posted after its sender's ``isend`` holds the
+data back until the notice arrives and the sender's event-loop thread sends it: latency on the
+critical path, and CPU taken from the sender's compute. On gloo, where every operation is
+issued on its own and progresses independently, a steady program therefore posts every receive
+of the step at its start (:func:`receives_first`), in the program's order (the senders' order on
+each directed pair, as above). Under NCCL's in-order batches that would hold back every later
+batch (a deadlock), so the native path keeps the rounds.
+
 :mod:`.p2p_check` executes the programs of all ranks on a clock under NCCL's semantics and
 gloo's, and checks pairing and freedom from deadlock.
 """
@@ -45,7 +54,8 @@ from typing import Union
 from ..errors import ShardingError
 from .schedules import Action
 
-__all__ = ["Message", "Post", "Wait", "Read", "Run", "action_times", "transfer_program", "sent_by", "needed_by"]
+__all__ = ["Message", "Post", "Wait", "Read", "Run", "action_times", "transfer_program", "receives_first", "sent_by",
+           "needed_by"]
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 
@@ -258,6 +268,49 @@ def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = 
                 ran.add(schedule[rank][k].stage)
     prog += [Wait(ins.batch, None) for ins in list(prog) if isinstance(ins, Post) and ins.batch not in waited]
     return _merge_posts(prog)
+
+
+def receives_first(prog: tuple[Instruction, ...]) -> tuple[Instruction, ...]:
+    """``prog`` (a steady :func:`transfer_program`) with every receive posted at its start, for
+    gloo (see the module doc): one batch per receive, in ``prog``'s order (batches ``0 .. k-1``;
+    on gloo each operation is a work of its own anyway, so a wait is for that receive alone);
+    each batch of sends keeps its place (renumbered from ``k``); where ``prog`` waits for a batch,
+    the new program waits for each of its receives (a wait makes a whole batch ready).
+
+    Memory: every receive buffer of the step exists from its start (``m`` boundary tensors per
+    chunk and direction), where the rounds allocate one just before its sender produces it.
+
+    Raises:
+        ShardingError: ``prog`` reads shape headers (a handshake step, whose activation
+            receives are sized by the headers they follow).
+    """
+    if any(isinstance(ins, Read) for ins in prog):
+        raise ShardingError("receives_first: a handshake program sizes its activation receives by the headers it reads "
+                            "first; only a steady program posts its receives at the start")
+    recvs = [m for ins in prog if isinstance(ins, Post) for m in ins.recvs]
+    batch_of = {m: k for k, m in enumerate(recvs)}
+    received = {ins.batch: ins.recvs for ins in prog if isinstance(ins, Post)}
+    out: list[Instruction] = [Post(k, (), (m,)) for k, m in enumerate(recvs)]
+    number: dict[int, int] = {}
+    done: set[Message] = set()
+    for ins in prog:
+        if isinstance(ins, Post):
+            if ins.sends:
+                number[ins.batch] = len(recvs) + len(number)
+                out.append(Post(number[ins.batch], ins.sends, ()))
+        elif isinstance(ins, Wait):
+            if ins.message is not None:  # a wait makes every receive of its batch ready: wait for each of them
+                for m in received[ins.batch]:
+                    if m not in done:
+                        done.add(m)
+                        out.append(Wait(batch_of[m], m))
+            elif ins.batch in number:
+                out.append(Wait(number[ins.batch], None))
+        else:
+            out.append(ins)
+    waited = {ins.batch for ins in out if isinstance(ins, Wait)}
+    out += [Wait(b, None) for b in [*range(len(recvs)), *sorted(number.values())] if b not in waited]
+    return tuple(out)
 
 
 def _merge_posts(prog: list) -> tuple[Instruction, ...]:

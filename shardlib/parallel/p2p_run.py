@@ -6,21 +6,14 @@ every tensor on ``mesh.device``), waits for a receive just
 before its use, reads shape headers, and waits for what is left at the end of the step.
 
 Waits. On NCCL a wait orders the compute stream after the transfer and returns at once. On gloo
-a wait blocks the host, and a point-to-point wait that times out closes the pair, so the
-watchdog (:mod:`shardlib.mesh.watchdog`) waits for point-to-point works on a helper thread
-while the main thread waits for its signal in slices, diagnosing a hang: a hop between threads
-(two context switches, on the critical path) per wait. A pipeline posts its receives ahead, so
-on gloo their works go, at posting time, to a prefetch thread (:class:`_Prefetch`) that waits
-for them in posting order (the order the program's rounds complete in, see
-:func:`~.p2p.transfer_program`); the wait before a receive's use then finds it done, without a
-hop, and one not done yet is waited for through the watchdog as any gloo work (sliced,
-diagnosed). Sends are waited for once, all at the end of the step.
+a wait blocks the host: the main thread waits for a receive's work itself, just before its use
+(gloo's thread wakes it, as in torch's own schedules), watched by the watchdog's answering
+thread (:mod:`shardlib.mesh.watchdog`: a point-to-point wait that times out closes the pair, so
+it is not sliced; a hang is diagnosed from that thread). Sends are waited for once, all at the
+end of the step.
 """
 
 from __future__ import annotations
-
-import queue
-import threading
 
 import torch
 import torch.distributed as dist
@@ -57,74 +50,14 @@ def _read_header(h: torch.Tensor) -> tuple:
     return tuple(v[1:1 + v[0]]), _DTYPES[v[-1]]
 
 
-class _Done:
-    """A work-like handle of a prefetched work, for :meth:`Watchdog.wait
-    <shardlib.mesh.watchdog.Watchdog.wait>`: a wait of a slice that does not see it end raises a
-    "timed out" error (a slice, as the watchdog's own ``_Call``); the helper's error re-raised."""
-
-    __slots__ = ("event", "error")
-
-    def __init__(self):
-        self.event, self.error = threading.Event(), None
-
-    def wait(self, timeout=None) -> bool:
-        if not self.event.wait(None if timeout is None else timeout.total_seconds()):
-            raise TimeoutError("timed out (a slice of the watchdog's wait; the prefetched transfer runs on)")
-        if self.error is not None:
-            raise self.error
-        return True
-
-    def is_completed(self) -> bool:
-        return self.event.is_set()
-
-    def ok(self) -> bool:
-        """Done without an error: nothing left to wait for."""
-        return self.event.is_set() and self.error is None
-
-
-class _Prefetch:
-    """A thread that waits for works in the order they are given (gloo's point-to-point
-    receives, each under the mesh timeout), marking each :class:`_Done`."""
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, works: list, timeout) -> list[_Done]:
-        """Handles of ``works``, waited for in this order (one wake of the thread per call)."""
-        done = [_Done() for _ in works]
-        self._q.put((works, timeout, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            works, timeout, done = self._q.get()
-            for work, d in zip(works, done):
-                try:
-                    work.wait(timeout)
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                    d.error = exc
-                d.event.set()
-
-
-_PREFETCH: list = []
-
-
-def _prefetch() -> _Prefetch:
-    """This process's prefetch thread, made on first use."""
-    if not _PREFETCH:
-        _PREFETCH.append(_Prefetch("shardlib-pipeline-recv"))
-    return _PREFETCH[0]
-
-
 class _Batch:
     """One posted batch: its works, the message each operation carries (``None``: a send), their
-    trace records, prefetch handles (gloo) and the indices waited for."""
+    trace records and the indices waited for."""
 
-    __slots__ = ("works", "slots", "recs", "done", "waited")
+    __slots__ = ("works", "slots", "recs", "waited")
 
-    def __init__(self, works: list, slots: list, recs: list, done: list | None):
-        self.works, self.slots, self.recs, self.done, self.waited = works, slots, recs, done, set()
+    def __init__(self, works: list, slots: list, recs: list):
+        self.works, self.slots, self.recs, self.waited = works, slots, recs, set()
 
 
 class Transfers:
@@ -195,11 +128,7 @@ class Transfers:
                 mesh.comm.record(self.axis, "send", t.numel() * t.element_size(), 2)
             recs.append(self._trace("send" if send else "recv", t, msg, self.ranks[peer]))
             slots.append(None if send else msg)
-        done = None
-        if ins.recvs and mesh.backend == "gloo" and mesh.watchdog is not None and len(works) == len(ops):
-            first = len(ins.sends)  # the receives' works (the sends are waited for at the end of the step)
-            done = [None] * first + _prefetch().submit(works[first:], mesh.timeout)
-        self._batches[ins.batch] = _Batch(works, slots, recs, done)
+        self._batches[ins.batch] = _Batch(works, slots, recs)
 
     def _issue(self, ops: list) -> list:
         """The works of ``ops`` (see :meth:`post`): one ``batch_isend_irecv`` on the native path,
@@ -212,26 +141,21 @@ class Transfers:
                 else post(mesh, dist.irecv, t, group=group, tag=tag, group_src=peer) for send, t, peer, _ in ops]
 
     def wait(self, batch: int, msg: Message | None) -> None:
-        """Wait for the work that carries ``msg`` (every work of the batch where the backend made
-        one for the whole batch, as NCCL does; ``None``: all that is left of it)."""
+        """Wait for the receives of batch ``batch`` before ``msg``'s use: every receive of the
+        batch not waited for yet (a program waits once per batch, and a wait makes all of that
+        batch's receives ready), or, with ``msg`` ``None``, all that is left of the batch."""
         b = self._batches[batch]
         if msg is None or len(b.works) != len(b.slots):
             todo = [i for i in range(len(b.works)) if i not in b.waited]
-        else:
-            i = b.slots.index(msg)
-            todo = [] if i in b.waited else [i]
+        else:  # gloo: a work per operation; the batch's sends wait for the end of the step
+            todo = [i for i, slot in enumerate(b.slots) if slot is not None and i not in b.waited]
         self._wait(b, todo, b.slots.index(msg) if msg is not None else None)
 
     def _wait(self, b: _Batch, todo: list, rec_index: int | None) -> None:
         if not todo:
             return
         rec = b.recs[todo[0] if rec_index is None else rec_index]
-        direct = [b.works[i] for i in todo if b.done is None or b.done[i] is None]  # each work waited once, by one thread
-        if direct:
-            wait_works(self.mesh, direct, rec, True)
-        helped = [b.done[i] for i in todo if b.done is not None and b.done[i] is not None and not b.done[i].ok()]
-        if helped:  # prefetched receives (gloo) not done yet: their handles, waited in slices by the watchdog
-            wait_works(self.mesh, helped, rec, False)
+        wait_works(self.mesh, [b.works[i] for i in todo], rec, True)
         b.waited.update(todo)
 
     def read(self, batch: int, msg: Message) -> tuple:
@@ -244,13 +168,7 @@ class Transfers:
         left = [(b, i) for b in self._batches.values() for i in range(len(b.works)) if i not in b.waited]
         if not left:
             return
-        rec = left[0][0].recs[left[0][1]]
-        direct = [b.works[i] for b, i in left if b.done is None or b.done[i] is None]
-        if direct:
-            wait_works(self.mesh, direct, rec, True)
-        helped = [b.done[i] for b, i in left if b.done is not None and b.done[i] is not None and not b.done[i].ok()]
-        if helped:
-            wait_works(self.mesh, helped, rec, False)
+        wait_works(self.mesh, [b.works[i] for b, i in left], left[0][0].recs[left[0][1]], True)
         for b, i in left:
             b.waited.add(i)
 
