@@ -3,7 +3,7 @@ taken out, in one run (``shardlib.mesh.trace``, ``shardlib.mesh.watchdog``).
 
 Side A is shardlib as it runs for users: every collective is recorded (a stack walk, a short
 string, a copy into the ring file) and every gloo wait goes through the watchdog (sliced waits;
-point-to-point works waited on by a helper thread). Side B is the same model and plan with the
+point-to-point works waited on directly, watched by its answering thread). Side B is the same model and plan with the
 record replaced by nothing and the waits by a plain ``work.wait(timeout)``: what the library did
 before. The PyTorch baseline of the same cases lives in ``data_parallel`` and
 ``tensor_parallel``; the trace has no counterpart there (PyTorch's NCCL flight recorder is off by

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from shardlib.mesh.diagnosis import analyze, first_difference
 from shardlib.mesh.trace import SLOTS, Trace, format_record, read_trace_file
 
@@ -169,3 +171,42 @@ def test_crossed_point_to_point_waits():
     same = dict(send, note="activation of stage 0 microbatch 0 of a training step to rank 1")
     states = {0: _state(0, "waiting", [same], same), 1: _state(1, "waiting", [recv], recv)}
     assert not analyze(states, 2)[0]  # a big transfer in both waits: slow, not stuck
+
+
+def test_a_collective_ending_just_after_a_slice_is_not_a_failure(monkeypatch):
+    """A sliced wait whose collective completes between the slice's timeout and the check of
+    is_completed(): a second wait returns at once, and nothing is diagnosed (it used to be taken
+    for a failed collective: a fatal "ranks stopped issuing the same collectives" verdict on a
+    loaded machine, every rank waiting 1 s). One that completed with an error still fails."""
+    import datetime
+
+    from shardlib.mesh.watchdog import Watchdog
+
+    class Trace:
+        waiting = None
+
+    class Work:
+        def __init__(self, second_error=None):
+            self.calls, self.second_error = 0, second_error
+
+        def wait(self, timeout):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("[gloo] Timed out waiting 1000ms for the collective")
+            if self.second_error:
+                raise RuntimeError(self.second_error)
+            return True
+
+        def is_completed(self):
+            return self.calls >= 1
+
+    dog = Watchdog.__new__(Watchdog)
+    dog.trace, dog.rank, dog.seconds, dog.verdict, dog.handled = Trace(), 0, 30.0, None, 0
+    failed = []
+    monkeypatch.setattr(Watchdog, "fail", lambda self, exc: failed.append(str(exc)) or (_ for _ in ()).throw(exc))
+    work = Work()
+    dog.wait([work], None, datetime.timedelta(seconds=60), p2p=False)
+    assert work.calls == 2 and failed == []
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        dog.wait([Work("Connection closed by peer")], None, datetime.timedelta(seconds=60), p2p=False)
+    assert failed == ["Connection closed by peer"]
