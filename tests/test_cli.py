@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(tmp_path, *args, nproc=2):
+def _train_gpt(tmp_path, *args, nproc=2):
     """train_gpt.py with ``args`` under torchrun on ``nproc`` ranks (``None``: one plain process)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
                 if nproc else [sys.executable])
@@ -35,7 +35,7 @@ def _torchrun(tmp_path, *args, nproc=2):
     (("--mesh", "dp=2,dp=1"), "argument --mesh: 'dp=2,dp=1': axis 'dp' is given twice", None),  # now at parse time
 ])
 def test_a_configuration_error_prints_one_line_from_one_rank(tmp_path, args, message, nproc):
-    out = _torchrun(tmp_path, *args, nproc=nproc)
+    out = _train_gpt(tmp_path, *args, nproc=nproc)
     assert out.returncode != 0
     ours = [line for line in out.stderr.splitlines() if line.startswith("train_gpt.py: error")]
     assert len(ours) == 1 and message in ours[0], out.stderr[-3000:]

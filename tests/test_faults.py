@@ -30,14 +30,14 @@ def _run_failing(nprocs, fn, *args):
     return info.value
 
 
-def _setup(check: bool = False, watchdog: float = 2.0):
+def _setup(check: bool = False, watchdog: float = 2.0, shape=None, answer: float = 6.0):
     import os
 
     import shardlib
 
     os.environ["SHARDLIB_WATCHDOG"] = str(watchdog)
-    os.environ["SHARDLIB_WATCHDOG_ANSWER"] = "6"
-    mesh = shardlib.init_mesh({"dp": 2})
+    os.environ["SHARDLIB_WATCHDOG_ANSWER"] = str(answer)
+    mesh = shardlib.init_mesh(shape or {"dp": 2})
     mesh.trace.check = check
     return mesh
 
@@ -283,10 +283,9 @@ def _lose_rank1_mid_pipeline(signal_name: str):
 
     import shardlib
 
-    os.environ["SHARDLIB_WATCHDOG"] = "2"
-    os.environ["SHARDLIB_WATCHDOG_ANSWER"] = "3"  # only the frozen rank is silent: the diagnosis waits this long for it
-    mesh = shardlib.init_mesh({"pp": 2})
-    mesh.trace.check = False  # else check mode's signature all-gather (a sliced wait) meets the frozen rank first
+    # check mode off: else its signature all-gather (a sliced wait) meets the frozen rank first;
+    # answers awaited 3 s: only the frozen rank is silent, and the diagnosis waits this long for it
+    mesh = _setup(shape={"pp": 2}, answer=3.0)
     torch.manual_seed(0)
     smodel = shardlib.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), mesh, microbatches=2)
     x, y = torch.ones(4, 4), torch.zeros(4, 4)

@@ -116,8 +116,10 @@ class Watchdog:
         self.read_settings()
         self.verdict: tuple[int, str, str] | None = None
         self.handled = 0
-        # a point-to-point wait of the main thread, watched by the answering thread: (record, start)
+        # a point-to-point wait of the main thread, watched by the answering thread: (record, start),
+        # and the answering thread's view of it (the wait it watches, its next diagnosis, noted once)
         self._blocked: tuple | None = None
+        self._watching, self._next_check, self._noted = None, 0.0, False
         self.on_fatal = _end_process  # (class name, message) -> never returns; see the module doc
         self._main = threading.main_thread().ident
         self._lock = threading.Lock()
@@ -128,7 +130,6 @@ class Watchdog:
         import atexit
 
         atexit.register(self._at_exit)  # after init_mesh's destroy_process_group: runs before it (LIFO)
-        self._watching, self._next_check, self._noted = None, 0.0, False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shardlib-watchdog", daemon=True)
         self._thread.start()
@@ -164,21 +165,19 @@ class Watchdog:
                     return
                 except CollectiveError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - a failed collective: say who is gone
-                    if _is_slice_timeout(exc) and pending[0].is_completed():
-                        try:  # it ended just after the slice: a second wait returns, or raises how it ended
-                            pending[0].wait(datetime.timedelta(seconds=_SLICE))
-                            pending.pop(0)
-                            continue
-                        except Exception as again:  # noqa: BLE001 - it failed (a real timeout, a peer gone)
-                            exc = again
-                    if not (_is_slice_timeout(exc) and not pending[0].is_completed()):
-                        text = str(exc).lower()
-                        if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
-                            raise CollectiveTimeoutError(  # the backend's own timeout (the same SHARDLIB_TIMEOUT)
-                                f"a collective waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
-                                f"{self.rank}" + (f":\n{last}" if last else "")) from exc
-                        self.fail(exc)
+                except Exception as exc:  # noqa: BLE001 - a slice ended, or the collective failed
+                    if _is_slice_timeout(exc):
+                        if not pending[0].is_completed():
+                            pass  # a slice: the collective runs on
+                        else:
+                            try:  # it ended just after the slice: a second wait returns, or raises how it ended
+                                pending[0].wait(datetime.timedelta(seconds=_SLICE))
+                                pending.pop(0)
+                                continue
+                            except Exception as again:  # noqa: BLE001 - it failed (a real timeout, a peer gone)
+                                self._failed(again, start, limit, "a collective", last)
+                    else:
+                        self._failed(exc, start, limit, "a collective", last)
                 self._raise_verdict()
                 waited = time.monotonic() - start
                 if waited >= next_check:
@@ -196,6 +195,16 @@ class Watchdog:
                         + (f":\n{last}" if last else ""))
         finally:
             self.trace.waiting = None
+
+    def _failed(self, exc: BaseException, start: float, limit: float, what: str, last: str | None):
+        """A wait that started at ``start`` raised ``exc``: the backend's own timeout (the same
+        ``SHARDLIB_TIMEOUT``) as a :class:`CollectiveTimeoutError`, anything else through
+        :meth:`fail` (never returns)."""
+        text = str(exc).lower()
+        if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
+            raise CollectiveTimeoutError(f"{what} waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
+                                         f"{self.rank}" + (f":\n{last}" if last else "")) from exc
+        self.fail(exc)
 
     def fail(self, exc: BaseException):
         """A collective failed on this rank (gloo's ``Connection closed by peer``): ask the
@@ -220,14 +229,9 @@ class Watchdog:
         except CollectiveError:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer is gone, raised, or the timeout passed
-            self._blocked = None
+            self._blocked = None  # at once: the answering thread's grace for this wait ends here
             self._raise_verdict()  # the answering thread's verdict, or another rank's
-            text = str(exc).lower()
-            if ("timed out" in text or "timeout" in text) and time.monotonic() - start >= 0.9 * limit:
-                raise CollectiveTimeoutError(
-                    f"a point-to-point transfer waited the whole timeout of {limit:.0f} s (SHARDLIB_TIMEOUT) on rank "
-                    f"{self.rank}") from exc
-            self.fail(exc)
+            self._failed(exc, start, limit, "a point-to-point transfer", None)
         finally:
             self._blocked = None
             self.trace.waiting = None
