@@ -245,6 +245,62 @@ def test_parameters_and_buffers_start_identical_across_ranks():
     assert sd0["wte.weight"] is not None and torch.equal(sd0["wte.weight"], sd0["lm_head.weight"])
 
 
+def _hooks(model) -> dict:
+    return {n: len(p._post_accumulate_grad_hooks or {}) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reset", [None, "optimizer", "inner module"])
+@pytest.mark.parametrize("end", ["sync backward", "sync_grads"])
+def test_stage0_no_sync_accumulates_in_the_views_without_hooks(reset, end):
+    """Stage 0 inside no_sync(): a parameter's hook adopts its first gradient (``.grad`` becomes
+    its view into the chunk) and is removed at the end of that backward, so later backwards
+    accumulate in place with no Python call per parameter (a pipeline runs m of them per step);
+    it is back once sync resumes (or zero_grad sets ``.grad`` to None). ``b`` is unused in the
+    first backward: its hook stays until its own first gradient. The gradients equal plain
+    PyTorch's sums bit for bit, whether the step ends in a sync backward or ``sync_grads()``
+    (the pipeline's), and after a zero_grad part-way (ZeroOptimizer's, or the wrapped module's
+    own, which sets ``.grad`` to None behind shardlib's back)."""
+    mesh = shardlib.init_mesh({"dp": 1})
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 6, generator=g) for _ in range(4)]
+    uses = [False, True, True, True]
+    torch.manual_seed(0)
+    ref = _Branchy()
+    torch.manual_seed(0)
+    model = _Branchy()
+    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=40)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.0)
+    first = {n: 1 for n, _ in model.named_parameters()}
+    assert _hooks(model) == first
+    n_sync = 3 if end == "sync backward" else 4
+    with smodel.no_sync():
+        for i in range(n_sync):
+            if reset and i == 2:
+                {"optimizer": opt.zero_grad, "inner module": model.zero_grad}[reset]()
+                ref.zero_grad()
+                if reset == "optimizer":
+                    assert _hooks(model) == first  # to adopt the new first gradients
+            ref(xs[i], uses[i]).backward()
+            smodel(xs[i], uses[i]).backward()
+            if i == 0:  # a adopted and silenced; b had no gradient yet
+                assert _hooks(model) == {"a.weight": 0, "a.bias": 0, "b.weight": 1, "b.bias": 1}
+                assert model.a.weight.grad is smodel._zero._grad_views[id(model.a.weight)]
+                assert model.b.weight.grad is None
+            if i == 1 and reset != "optimizer":
+                assert set(_hooks(model).values()) == {0}
+    assert _hooks(model) == first  # sync resumed
+    if end == "sync backward":
+        ref(xs[3], uses[3]).backward()
+        smodel(xs[3], uses[3]).backward()
+    else:
+        smodel._zero.sync_grads()
+    got = shardlib.full_grads(smodel)
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p.grad), name
+        assert torch.equal(dict(model.named_parameters())[name].grad, p.grad), name
+    assert _hooks(model) == first
+
+
 def test_one_rank_mesh_equals_plain_pytorch_bitwise():
     """A one-rank mesh (no launcher) runs every stage and matches plain PyTorch bit for bit."""
     mesh = shardlib.init_mesh({"dp": 1})
@@ -316,7 +372,6 @@ def test_two_data_axes_and_data_axis_specs_are_zero3(data):
 def _load_worker(stage, specs):
     mesh = shardlib.init_mesh({"dp": 2, "tp": 2} if specs else {"dp": 2})
     torch.manual_seed(0)
-    reference = TiedLM(37, 12, 14) if not specs else None
     from shardlib.models import GPT, GPTConfig
 
     make = (lambda: GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=1, n_head=2, n_embd=16))) if specs else (lambda: TiedLM(37, 12, 14))

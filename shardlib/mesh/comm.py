@@ -57,27 +57,36 @@ class CommCounter:
     """
 
     def __init__(self):
-        self._bytes: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        # payload bytes summed by (axis, kind, group size): a call costs an integer add (it is on the
+        # pipeline's critical path); the ring factors are applied, exactly, when read
+        self._payload: dict[tuple[str, str, int], int] = defaultdict(int)
         self._calls: dict[tuple[str, str], int] = defaultdict(int)
         self.enabled = True
 
     def record(self, axis: str, kind: str, payload_bytes: int, group_size: int) -> None:
         if not self.enabled or group_size <= 1:
             return
-        key = (axis, kind)
-        self._bytes[key] += ring_bytes(kind, payload_bytes, group_size)
-        self._calls[key] += 1
+        if kind not in _FACTOR:
+            raise KeyError(kind)
+        self._payload[(axis, kind, group_size)] += payload_bytes
+        self._calls[(axis, kind)] += 1
+
+    def _exact(self) -> dict[tuple[str, str], Fraction]:
+        out: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+        for (a, k, n), payload in self._payload.items():
+            out[(a, k)] += ring_bytes(k, payload, n)
+        return out
 
     def _select(self, table, axis, kind):
         return [v for (a, k), v in table.items() if (axis is None or a == axis) and (kind is None or k == kind)]
 
     def bytes(self, axis: str | None = None, kind: str | None = None) -> float:
         """Per-rank logical bytes recorded for ``axis`` and ``kind`` (``None``: all)."""
-        return float(sum(self._select(self._bytes, axis, kind), Fraction(0)))
+        return float(self.exact_bytes(axis, kind))
 
     def exact_bytes(self, axis: str | None = None, kind: str | None = None) -> Fraction:
         """As :meth:`bytes`, as an exact fraction."""
-        return sum(self._select(self._bytes, axis, kind), Fraction(0))
+        return sum(self._select(self._exact(), axis, kind), Fraction(0))
 
     def calls(self, axis: str | None = None, kind: str | None = None) -> int:
         """Number of collectives recorded for ``axis`` and ``kind`` (``None``: all)."""
@@ -85,10 +94,10 @@ class CommCounter:
 
     def table(self) -> dict[tuple[str, str], tuple[int, float]]:
         """``{(axis, kind): (calls, bytes)}``."""
-        return {k: (self._calls[k], float(v)) for k, v in sorted(self._bytes.items())}
+        return {k: (self._calls[k], float(v)) for k, v in sorted(self._exact().items())}
 
     def reset(self) -> None:
-        self._bytes.clear()
+        self._payload.clear()
         self._calls.clear()
 
     def __repr__(self) -> str:

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
-from ..random import MicrobatchDropout
+from ..random import MeshDropout, MicrobatchDropout
 from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, receives_first, transfer_program
 from .p2p_run import Transfers
 from .schedules import build_schedule
@@ -210,6 +210,7 @@ class PipelineRunner:
         self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
         self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
         self.transfers = Transfers(mesh, axis, self.fake)
+        self._dropouts: list | None = None
 
     def program(self, training: bool, handshake: bool) -> tuple:
         """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
@@ -277,8 +278,11 @@ class PipelineRunner:
         transfers = self.transfers
         transfers.begin(tag, backward)
         inbox = transfers.inbox  # receive buffers by message (valid once waited for)
-        drops = MicrobatchDropout(self.smodel.module, m)  # masks by global sample, counters per step
-        drawing = any(d.p and d.training for d in drops.dropouts)  # else a microbatch's masks change nothing
+        if self._dropouts is None:  # the model's MeshDropout modules (shard() put them in; found once)
+            self._dropouts = [d for d in self.smodel.module.modules() if isinstance(d, MeshDropout)]
+        drawing = any(d.p and d.training for d in self._dropouts)  # else a microbatch's masks change nothing
+        # masks by global sample, counters per step
+        drops = MicrobatchDropout(self.smodel.module, m) if drawing else None
         timeline = self.timeline = []
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis

@@ -24,7 +24,8 @@ Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.da
 into their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook``
 and are copied (first gradient after ``zero_grad``, which only marks buffers stale) or added
 into the chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0 ``prm.grad``
-then becomes a view of it, as with DDP's ``gradient_as_bucket_view``;
+then becomes a view of it, as with DDP's ``gradient_as_bucket_view`` (inside ``no_sync()`` its
+hook is then removed until sync resumes: autograd adds into the view itself);
 a chunk is reduced once all its trainable parameters have their gradient, in a fixed order
 (descending chunk index) so every rank issues the same collectives in the same order, as DDP's
 buckets do. Stage 3 frees a chunk's storage (``untyped_storage().resize_(0)``, FSDP's way) after
@@ -80,7 +81,7 @@ class ZeroRuntime(ParameterGathering):
         for pp in plan.params:
             c, off = plan.placement[pp.name]
             members[c].append((by_name[pp.name], off))
-        self.sync = True
+        self._sync = True  # reduce at the end of backward (False inside no_sync(); see the sync property)
         self.unsynced = False  # the last backward ran inside no_sync()
         self.reduce_channel = _REDUCE if self.stage == 3 else 0
         if self.n > 1:
@@ -114,13 +115,56 @@ class ZeroRuntime(ParameterGathering):
         self._next_reduce = 0
         self._callback_queued = False
         self._hooks = []
+        # Stage 0: a parameter with a gradient view needs its hook inside no_sync() only until its
+        # gradient is adopted (prm.grad is the view): autograd then adds into the view itself, so
+        # the hook is removed at the end of that backward and put back when sync resumes (a hook
+        # costs the engine a Python call per parameter and backward: m per step in a pipeline).
+        self._view_hooks: dict[int, object] = {}  # id(prm) -> hook handle, while registered
+        self._adopted: list[nn.Parameter] = []  # adopted in this no_sync() backward: hooks to remove
+        self._silenced: list[nn.Parameter] = []  # hook removed until sync resumes
         for chunk in self.chunks:
             if chunk.trainable:
                 for prm, _ in chunk.params:
-                    self._hooks.append(prm.register_post_accumulate_grad_hook(self._on_grad_ready))
+                    handle = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
+                    if id(prm) in self._grad_views:
+                        self._view_hooks[id(prm)] = handle
+                    else:
+                        self._hooks.append(handle)
         if self.stage == 3:
             self._mark_sharded_away(by_name, model_name or type(model).__name__)
             self._setup_stage3()
+
+    @property
+    def sync(self) -> bool:
+        """Whether a backward reduces gradients at its end (False inside ``no_sync()``). Setting it
+        True puts back the gradient-view hooks removed while accumulating."""
+        return self._sync
+
+    @sync.setter
+    def sync(self, flag: bool) -> None:
+        self._sync = flag
+        if flag:
+            self._resume_view_hooks()
+
+    def _silence_view_hooks(self) -> None:
+        """End of a no_sync() backward: remove the hooks of the parameters it adopted (their
+        ``.grad`` is their view, so later backwards accumulate in place without them)."""
+        for prm in self._adopted:
+            handle = self._view_hooks.pop(id(prm), None)
+            if handle is not None:
+                if prm.grad is self._grad_views[id(prm)]:
+                    handle.remove()
+                    self._silenced.append(prm)
+                else:  # replaced by a later hook: keep adopting
+                    self._view_hooks[id(prm)] = handle
+        self._adopted = []
+
+    def _resume_view_hooks(self) -> None:
+        """Register again the hooks :meth:`_silence_view_hooks` removed (sync resumes, or
+        ``zero_grad`` made the gradients None, to be adopted again)."""
+        for prm in self._silenced:
+            self._view_hooks[id(prm)] = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._silenced = []
 
     # -- set-up helpers ------------------------------------------------------------------------
     def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
@@ -156,6 +200,8 @@ class ZeroRuntime(ParameterGathering):
         view = self._grad_views.get(key)
         if view is not None:  # stage 0: the gradient lives in the chunk, seen as ``prm.grad``
             self._adopt(chunk, prm, view)
+            if not self._sync:  # accumulating: its hook is removed at the end of this backward
+                self._adopted.append(prm)
         else:
             if self.stage == 3:
                 self._backward_touch(chunk)
@@ -185,7 +231,7 @@ class ZeroRuntime(ParameterGathering):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _launch_ready(self, force: bool = False) -> None:
-        if not self.sync:
+        if not self._sync:
             return
         while self._next_reduce < len(self._trainable_order):
             chunk = self._trainable_order[self._next_reduce]
@@ -274,9 +320,11 @@ class ZeroRuntime(ParameterGathering):
     @eager
     def _end_backward(self) -> None:
         self._callback_queued = False
-        self.unsynced = not self.sync
+        self.unsynced = not self._sync
         self._tp_sums.end_backward()
-        if self.sync:
+        if self._adopted:
+            self._silence_view_hooks()
+        if self._sync:
             self._launch_ready(force=True)
             for chunk in self.chunks:
                 self._finish_reduce(chunk)
@@ -304,6 +352,9 @@ class ZeroRuntime(ParameterGathering):
         off = self.param_offset[id(prm)]
         self._begin_accumulation(chunk)
         chunk.ensure_grad_full()
+        view = self._grad_views.get(id(prm))
+        if view is not None:  # stage 0: a gradient not adopted yet (its hook did not run) moves in now
+            self._adopt(chunk, prm, view)
         self._tp_sums.flush(chunk)
         chunk.settle_full()
         return chunk.grad_full[off : off + prm.numel()]
@@ -322,6 +373,7 @@ class ZeroRuntime(ParameterGathering):
         """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
         marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
         ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
+        self._resume_view_hooks()  # each gradient is adopted again
         for chunk in self.chunks:
             if not chunk.trainable:
                 continue
@@ -418,6 +470,6 @@ class ZeroRuntime(ParameterGathering):
         return out
 
     def remove(self) -> None:
-        for h in self._hooks:
+        for h in [*self._hooks, *self._view_hooks.values()]:
             h.remove()
-        self._hooks = []
+        self._hooks, self._view_hooks, self._silenced, self._adopted = [], {}, [], []
