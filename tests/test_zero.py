@@ -301,6 +301,59 @@ def test_stage0_no_sync_accumulates_in_the_views_without_hooks(reset, end):
     assert _hooks(model) == first
 
 
+def _stage0_branchy():
+    mesh = shardlib.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    ref = _Branchy()
+    torch.manual_seed(0)
+    model = _Branchy()
+    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=40)
+    return ref, model, smodel, shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.0)
+
+
+def test_stage0_silenced_hooks_reads_freezing_and_tied_sums():
+    """Edge cases of the hooks removed inside no_sync() (review of the change): (1) the wrapped
+    module's own zero_grad and a backward replace ``.grad`` after its hook is gone, and a read
+    of the buffers inside the window (full_grads) still sees the new gradient; (2) a parameter
+    frozen inside the window takes no hook: leaving the block and zero_grad do not raise, and
+    once trainable again its gradients are right; (3) local_grad_view of a parameter with no
+    gradient this step (a tied copy on a stage that did not use it): what is summed into the
+    view survives sync_grads (it used to be zeroed by the adoption of a None gradient)."""
+    g = torch.Generator().manual_seed(1)
+    x0, x1 = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    ref, model, smodel, opt = _stage0_branchy()
+    with smodel.no_sync():
+        smodel(x0, True).backward()
+        model.zero_grad()  # .grad None behind shardlib's back; the next backward makes a new tensor
+        smodel(x1, True).backward()
+        got = shardlib.full_grads(smodel)
+    ref(x1, True).backward()
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p.grad), name
+
+    ref, model, smodel, opt = _stage0_branchy()
+    with smodel.no_sync():
+        smodel(x0, True).backward()
+        model.a.weight.requires_grad_(False)
+    opt.zero_grad()
+    model.a.weight.requires_grad_(True)
+    opt.zero_grad()
+    smodel(x1, True).backward()
+    ref(x1, True).backward()
+    got = shardlib.full_grads(smodel)
+    for name, p in ref.named_parameters():
+        assert torch.equal(got[name], p.grad), name
+
+    ref, model, smodel, opt = _stage0_branchy()
+    zero = smodel._zero
+    with smodel.no_sync():
+        smodel(x0, False).backward()  # b gets no gradient
+        zero.local_grad_view(model.b.weight).add_(1.0)  # as the tied all-reduce writes into it
+    zero.sync_grads()
+    assert torch.equal(model.b.weight.grad, torch.ones(5, 5))
+    assert torch.equal(shardlib.full_grads(smodel)["b.weight"], torch.ones(5, 5))
+
+
 def test_one_rank_mesh_equals_plain_pytorch_bitwise():
     """A one-rank mesh (no launcher) runs every stage and matches plain PyTorch bit for bit."""
     mesh = shardlib.init_mesh({"dp": 1})

@@ -144,11 +144,16 @@ class ZeroRuntime(ParameterGathering):
     def sync(self, flag: bool) -> None:
         self._sync = flag
         if flag:
-            self._resume_view_hooks()
+            self._adopted = []
+            if self._silenced:
+                self._resume_view_hooks()
 
     def _silence_view_hooks(self) -> None:
         """End of a no_sync() backward: remove the hooks of the parameters it adopted (their
         ``.grad`` is their view, so later backwards accumulate in place without them)."""
+        if self._sync:  # (a sync backward silences nothing)
+            self._adopted = []
+            return
         for prm in self._adopted:
             handle = self._view_hooks.pop(id(prm), None)
             if handle is not None:
@@ -159,12 +164,30 @@ class ZeroRuntime(ParameterGathering):
                     self._view_hooks[id(prm)] = handle
         self._adopted = []
 
+    @eager
     def _resume_view_hooks(self) -> None:
         """Register again the hooks :meth:`_silence_view_hooks` removed (sync resumes, or
-        ``zero_grad`` made the gradients None, to be adopted again)."""
+        ``zero_grad`` made the gradients None, to be adopted again). A parameter frozen since
+        (``requires_grad`` False, which takes no hook) stays listed until a later call finds it
+        trainable again; until then a sync backward's reduction adopts its gradient."""
+        keep, made = [], {}
         for prm in self._silenced:
-            self._view_hooks[id(prm)] = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._silenced = []
+            if prm.requires_grad:
+                made[id(prm)] = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
+            else:
+                keep.append(prm)
+        self._view_hooks.update(made)
+        self._silenced = keep
+
+    def _adopt_silenced(self) -> None:
+        """Before a read of the gradient buffers inside no_sync(): a silenced parameter whose
+        ``.grad`` was replaced since its hook was removed (the wrapped module's own
+        ``zero_grad`` and a backward, a gradient set by hand, ``create_graph=True``) moves into
+        its view, as its hook would have done."""
+        for prm in self._silenced:
+            view = self._grad_views[id(prm)]
+            if prm.grad is not None and prm.grad is not view:
+                self._adopt(self.param_chunk[id(prm)], prm, view)
 
     # -- set-up helpers ------------------------------------------------------------------------
     def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
@@ -355,6 +378,8 @@ class ZeroRuntime(ParameterGathering):
         view = self._grad_views.get(id(prm))
         if view is not None:  # stage 0: a gradient not adopted yet (its hook did not run) moves in now
             self._adopt(chunk, prm, view)
+            if prm.grad is None:  # no gradient here: the view holds zeros, and from now on the sum written into it
+                prm.grad = view
         self._tp_sums.flush(chunk)
         chunk.settle_full()
         return chunk.grad_full[off : off + prm.numel()]
@@ -363,6 +388,8 @@ class ZeroRuntime(ParameterGathering):
         """The part of this rank's gradient shard that belongs to ``prm`` (may be empty)."""
         chunk = self.param_chunk[id(prm)]
         off = self.param_offset[id(prm)]
+        if self._silenced:
+            self._adopt_silenced()
         chunk.settle_shard()
         lo = chunk.slot.start if self.stage >= 1 else 0
         hi = lo + chunk.grad_shard.numel()
@@ -373,7 +400,9 @@ class ZeroRuntime(ParameterGathering):
         """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
         marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
         ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
-        self._resume_view_hooks()  # each gradient is adopted again
+        self._adopted = []
+        if self._silenced:
+            self._resume_view_hooks()  # each gradient is adopted again
         for chunk in self.chunks:
             if not chunk.trainable:
                 continue
@@ -391,6 +420,8 @@ class ZeroRuntime(ParameterGathering):
     def settle_grads(self) -> None:
         """Write the zeros that :meth:`zero_grad` deferred into every gradient the optimizer
         reads (called before an optimizer step, a norm or an unscale reads them)."""
+        if self._silenced:
+            self._adopt_silenced()
         for chunk in self.chunks:
             if chunk.trainable:
                 if not self.unsynced:
@@ -462,6 +493,8 @@ class ZeroRuntime(ParameterGathering):
 
     def full_grad_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
+        if self._silenced:
+            self._adopt_silenced()
         chunk.settle_shard()
         if self.stage == 0:
             return chunk.grad_shard.clone()
