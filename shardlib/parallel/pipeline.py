@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
-from ..random import MeshDropout, MicrobatchDropout
+from ..random import MicrobatchDropout
 from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, receives_first, transfer_program
 from .p2p_run import Transfers
 from .schedules import build_schedule
@@ -210,7 +210,6 @@ class PipelineRunner:
         self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
         self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
         self.transfers = Transfers(mesh, axis, self.fake)
-        self._dropouts: list | None = None
 
     def program(self, training: bool, handshake: bool) -> tuple:
         """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
@@ -278,9 +277,8 @@ class PipelineRunner:
         transfers = self.transfers
         transfers.begin(tag, backward)
         inbox = transfers.inbox  # receive buffers by message (valid once waited for)
-        if self._dropouts is None:  # the model's MeshDropout modules (shard() put them in; found once)
-            self._dropouts = [d for d in self.smodel.module.modules() if isinstance(d, MeshDropout)]
-        drawing = any(d.p and d.training for d in self._dropouts)  # else a microbatch's masks change nothing
+        # the model's MeshDropout modules (shard() put them in); none drawing: a microbatch's masks change nothing
+        drawing = any(d.p and d.training for d in self.smodel._dropouts)
         # masks by global sample, counters per step
         drops = MicrobatchDropout(self.smodel.module, m) if drawing else None
         timeline = self.timeline = []

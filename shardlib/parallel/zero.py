@@ -44,6 +44,7 @@ from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
 from .gather import ParameterGathering
 from .tensor_grads import TensorGradSums
+from .view_hooks import ViewHooks
 
 __all__ = ["ZeroRuntime"]
 
@@ -115,21 +116,14 @@ class ZeroRuntime(ParameterGathering):
         self._next_reduce = 0
         self._callback_queued = False
         self._hooks = []
-        # Stage 0: a parameter with a gradient view needs its hook inside no_sync() only until its
-        # gradient is adopted (prm.grad is the view): autograd then adds into the view itself, so
-        # the hook is removed at the end of that backward and put back when sync resumes (a hook
-        # costs the engine a Python call per parameter and backward: m per step in a pipeline).
-        self._view_hooks: dict[int, object] = {}  # id(prm) -> hook handle, while registered
-        self._adopted: list[nn.Parameter] = []  # adopted in this no_sync() backward: hooks to remove
-        self._silenced: list[nn.Parameter] = []  # hook removed until sync resumes
+        self._view_hooks = ViewHooks(self._on_grad_ready, self._grad_views)  # silenced inside no_sync()
         for chunk in self.chunks:
             if chunk.trainable:
                 for prm, _ in chunk.params:
-                    handle = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
                     if id(prm) in self._grad_views:
-                        self._view_hooks[id(prm)] = handle
+                        self._view_hooks.register(prm)
                     else:
-                        self._hooks.append(handle)
+                        self._hooks.append(prm.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.stage == 3:
             self._mark_sharded_away(by_name, model_name or type(model).__name__)
             self._setup_stage3()
@@ -144,50 +138,15 @@ class ZeroRuntime(ParameterGathering):
     def sync(self, flag: bool) -> None:
         self._sync = flag
         if flag:
-            self._adopted = []
-            if self._silenced:
-                self._resume_view_hooks()
-
-    def _silence_view_hooks(self) -> None:
-        """End of a no_sync() backward: remove the hooks of the parameters it adopted (their
-        ``.grad`` is their view, so later backwards accumulate in place without them)."""
-        if self._sync:  # (a sync backward silences nothing)
-            self._adopted = []
-            return
-        for prm in self._adopted:
-            handle = self._view_hooks.pop(id(prm), None)
-            if handle is not None:
-                if prm.grad is self._grad_views[id(prm)]:
-                    handle.remove()
-                    self._silenced.append(prm)
-                else:  # replaced by a later hook: keep adopting
-                    self._view_hooks[id(prm)] = handle
-        self._adopted = []
-
-    @eager
-    def _resume_view_hooks(self) -> None:
-        """Register again the hooks :meth:`_silence_view_hooks` removed (sync resumes, or
-        ``zero_grad`` made the gradients None, to be adopted again). A parameter frozen since
-        (``requires_grad`` False, which takes no hook) stays listed until a later call finds it
-        trainable again; until then a sync backward's reduction adopts its gradient."""
-        keep, made = [], {}
-        for prm in self._silenced:
-            if prm.requires_grad:
-                made[id(prm)] = prm.register_post_accumulate_grad_hook(self._on_grad_ready)
-            else:
-                keep.append(prm)
-        self._view_hooks.update(made)
-        self._silenced = keep
+            self._view_hooks.adopted = []
+            if self._view_hooks.silenced:
+                self._view_hooks.resume()
 
     def _adopt_silenced(self) -> None:
-        """Before a read of the gradient buffers inside no_sync(): a silenced parameter whose
-        ``.grad`` was replaced since its hook was removed (the wrapped module's own
-        ``zero_grad`` and a backward, a gradient set by hand, ``create_graph=True``) moves into
-        its view, as its hook would have done."""
-        for prm in self._silenced:
-            view = self._grad_views[id(prm)]
-            if prm.grad is not None and prm.grad is not view:
-                self._adopt(self.param_chunk[id(prm)], prm, view)
+        """Before a read of the gradient buffers inside no_sync(): replaced gradients of
+        silenced parameters move into their views (see :meth:`ViewHooks.replaced`)."""
+        for prm, view in self._view_hooks.replaced():
+            self._adopt(self.param_chunk[id(prm)], prm, view)
 
     # -- set-up helpers ------------------------------------------------------------------------
     def _mark_sharded_away(self, by_name: dict[str, nn.Parameter], model_name: str) -> None:
@@ -224,7 +183,7 @@ class ZeroRuntime(ParameterGathering):
         if view is not None:  # stage 0: the gradient lives in the chunk, seen as ``prm.grad``
             self._adopt(chunk, prm, view)
             if not self._sync:  # accumulating: its hook is removed at the end of this backward
-                self._adopted.append(prm)
+                self._view_hooks.adopted.append(prm)
         else:
             if self.stage == 3:
                 self._backward_touch(chunk)
@@ -345,8 +304,11 @@ class ZeroRuntime(ParameterGathering):
         self._callback_queued = False
         self.unsynced = not self._sync
         self._tp_sums.end_backward()
-        if self._adopted:
-            self._silence_view_hooks()
+        if self._view_hooks.adopted:
+            if self._sync:  # (a sync backward silences nothing)
+                self._view_hooks.adopted = []
+            else:
+                self._view_hooks.silence()
         if self._sync:
             self._launch_ready(force=True)
             for chunk in self.chunks:
@@ -388,7 +350,7 @@ class ZeroRuntime(ParameterGathering):
         """The part of this rank's gradient shard that belongs to ``prm`` (may be empty)."""
         chunk = self.param_chunk[id(prm)]
         off = self.param_offset[id(prm)]
-        if self._silenced:
+        if self._view_hooks.silenced:
             self._adopt_silenced()
         chunk.settle_shard()
         lo = chunk.slot.start if self.stage >= 1 else 0
@@ -400,9 +362,9 @@ class ZeroRuntime(ParameterGathering):
         """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
         marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
         ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
-        self._adopted = []
-        if self._silenced:
-            self._resume_view_hooks()  # each gradient is adopted again
+        self._view_hooks.adopted = []
+        if self._view_hooks.silenced:
+            self._view_hooks.resume()  # each gradient is adopted again
         for chunk in self.chunks:
             if not chunk.trainable:
                 continue
@@ -420,7 +382,7 @@ class ZeroRuntime(ParameterGathering):
     def settle_grads(self) -> None:
         """Write the zeros that :meth:`zero_grad` deferred into every gradient the optimizer
         reads (called before an optimizer step, a norm or an unscale reads them)."""
-        if self._silenced:
+        if self._view_hooks.silenced:
             self._adopt_silenced()
         for chunk in self.chunks:
             if chunk.trainable:
@@ -493,7 +455,7 @@ class ZeroRuntime(ParameterGathering):
 
     def full_grad_chunk(self, chunk: Chunk) -> torch.Tensor:
         """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
-        if self._silenced:
+        if self._view_hooks.silenced:
             self._adopt_silenced()
         chunk.settle_shard()
         if self.stage == 0:
@@ -503,6 +465,7 @@ class ZeroRuntime(ParameterGathering):
         return out
 
     def remove(self) -> None:
-        for h in [*self._hooks, *self._view_hooks.values()]:
+        for h in self._hooks:
             h.remove()
-        self._hooks, self._view_hooks, self._silenced, self._adopted = [], {}, [], []
+        self._hooks = []
+        self._view_hooks.remove()
