@@ -80,11 +80,13 @@ class ParameterGathering:
     # anything to do, so stages 0-2 without buffer broadcasts compile the whole forward in one
     # graph; the work itself runs eagerly (a graph break: :mod:`shardlib.mesh.eager`).
     def root_pre_forward(self) -> None:
-        if self.plan.broadcast_buffers or self.stage == 3:
+        if self.plan.broadcast_buffers or self.stage == 3 or self._callback_queued:
             self._root_pre_forward()
 
     @eager
     def _root_pre_forward(self) -> None:
+        if self._callback_queued:  # (a backward raised part-way; nothing when this forward runs inside one)
+            self.recover_abandoned_backward()
         if self.plan.broadcast_buffers:
             self.broadcast_buffers()
         if self.stage == 3:

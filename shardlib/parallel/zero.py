@@ -299,6 +299,36 @@ class ZeroRuntime(ParameterGathering):
         chunk.reduce_tmp = None
         chunk.grad_full = None
 
+    def abandoned_backward(self) -> bool:
+        """True when a backward ran gradient hooks here and then raised (an out-of-memory error,
+        an exception in a hook or a custom ``backward``): torch drops the end-of-backward
+        callback such a backward queued, so :meth:`_end_backward` never ran for it. Checked
+        outside any backward (a forward inside one, a reentrant checkpoint's, is not a sign)."""
+        return self._callback_queued and torch._C._current_graph_task_id() == -1
+
+    @eager
+    def recover_abandoned_backward(self) -> None:
+        """Forget the per-backward state a raised backward left (see :meth:`abandoned_backward`),
+        so the next backward queues its callback and reduces (without this it never reduced
+        again and counted the raised one's gradients as arrived). Its launched reductions are
+        waited for (every rank launched the same ones when all raised alike; one rank raising
+        alone leaves the others in a collective that the mesh timeout ends). The gradients it
+        accumulated stay, as plain PyTorch's ``.grad`` does: ``zero_grad`` drops them. Called
+        by :meth:`zero_grad` and before the next forward."""
+        if not self.abandoned_backward():
+            return
+        self._callback_queued = False
+        for chunk in self.chunks:
+            self._finish_reduce(chunk)
+            chunk.ready.clear()
+        self._next_reduce = 0
+        self._tp_sums.end_backward()
+        self._view_hooks.adopted = []  # (their hooks stay: nothing is silenced)
+        if self.stage == 3:
+            for chunk in self.chunks:
+                self._free(chunk)
+            self._bwd_next = len(self.chunks) - 1
+
     @eager
     def _end_backward(self) -> None:
         self._callback_queued = False
@@ -362,6 +392,8 @@ class ZeroRuntime(ParameterGathering):
         """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
         marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
         ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
+        if self._callback_queued:
+            self.recover_abandoned_backward()
         self._view_hooks.adopted = []
         if self._view_hooks.silenced:
             self._view_hooks.resume()  # each gradient is adopted again
