@@ -567,7 +567,7 @@ def worker_group(n: int = 2):
 
 def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str | None, nprocs: int = 2,
                   cases: tuple = (), **kwargs) -> dict:
-    """Run ``worker(settings, cases=(case,), **kwargs) -> [row]`` on ``nprocs`` ranks for each case
+    """Run ``worker(settings, cases=(case,), **kwargs) -> [row, ...]`` on ``nprocs`` ranks for each case
     in turn (the JSON is rewritten after each, so a long run keeps what it measured), print the
     table, and write the JSON and plots; returns ``{"benchmark", "settings", "rows", "files"}``."""
     if getattr(worker, "__module__", None) == "__main__":  # run as a script: send it by reference, not by value
@@ -581,9 +581,9 @@ def run_benchmark(name: str, worker: Callable, settings: Settings, out_dir: str 
     t0 = time.perf_counter()
     result = {"benchmark": name, "settings": asdict(settings), "world_size": nprocs, "torch": torch.__version__, "rows": []}
     for case in cases:
-        row = worker_group(nprocs).run(worker, settings, cases=(case,), timeout=6 * 3600, **kwargs)[0][0]
-        result["rows"].append(row)
-        print_table([row], "")
+        rows = worker_group(nprocs).run(worker, settings, cases=(case,), timeout=6 * 3600, **kwargs)[0]
+        result["rows"].extend(rows)  # (a case may add rows: the pipeline's A/A control)
+        print_table(rows, "")
         result["wall_s"] = time.perf_counter() - t0
         if out_dir:
             write_outputs(name, result, out_dir, plots=False)

@@ -19,6 +19,7 @@ the second rank never completes; see ``Side.memtracker``).
 
     python -m benchmarks.pipeline --quick
     python -m benchmarks.pipeline --quick --ranks 4
+    python -m benchmarks.pipeline --quick --control   # each pair followed by torch against itself
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def theory(settings: Settings, p: int, v: int, m: int, rank: int, stage_params: 
             "state_formula": zero_state_formula(0, stage_params, 1), "state_plan": plan_state, "params_stage": stage_params}
 
 
-def worker(settings: Settings, cases=CASES, microbatches: int = 4) -> list[dict]:
+def worker(settings: Settings, cases=CASES, microbatches: int = 4, control: bool = False) -> list[dict]:
     import torch.distributed as dist
 
     import shardlib
@@ -171,6 +172,9 @@ def worker(settings: Settings, cases=CASES, microbatches: int = 4) -> list[dict]
         if "a" in row and "plan_state" in row["a"]:
             row["theory"]["state_plan"] = row["a"]["plan_state"]
         rows.append(row)
+        if control:  # A/A: the same torch schedule on both sides, timed the same way: the ratio's noise this run
+            rows.append(compare(f"control_{cls_name}_vs_itself", lambda: torch_side(settings, cls_name, v, microbatches, data),
+                                lambda: torch_side(settings, cls_name, v, microbatches, data), settings, th))
     return rows
 
 
@@ -180,9 +184,12 @@ def main(argv=None) -> dict:
     p.add_argument("--cases", nargs="*", default=list(CASES), choices=CASES)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (gloo processes): 2 or 4")
+    p.add_argument("--control", action="store_true",
+                   help="after each pair, time torch's schedule against itself (an A/A row: how far from 1.0 noise "
+                        "alone puts the ratio in this run)")
     args = p.parse_args(argv)
     return run_benchmark("pipeline", worker, settings_from_args(args), args.out, nprocs=args.ranks,
-                         cases=tuple(args.cases), microbatches=args.microbatches)
+                         cases=tuple(args.cases), microbatches=args.microbatches, control=args.control)
 
 
 if __name__ == "__main__":

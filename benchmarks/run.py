@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick     # 0.4M-parameter GPT, a few minutes on 2 CPU cores
     python -m benchmarks.run             # 10.8M-parameter GPT (the targets)
     python -m benchmarks.run --smoke     # tiny GPT, 2 steps: checks the machinery only
+    python -m benchmarks.run --quick --control   # with torch's pipeline schedules timed against themselves
 
 Runs :mod:`benchmarks.overhead` (one rank), :mod:`benchmarks.data_parallel`,
 :mod:`benchmarks.tensor_parallel` and :mod:`benchmarks.pipeline` (two gloo ranks, spawned once),
@@ -33,6 +34,9 @@ TIME_TARGETS = [
     ("zero0_vs_ddp", "stage 0 / DDP step time", 1.0),
     ("tp_vs_parallelize_module", "TP / parallelize_module step time", 0.8),
     ("shard_dp1_vs_plain", "one-rank shardlib / plain PyTorch step time", 1.03),
+    ("gpipe_vs_ScheduleGPipe", "pipeline GPipe / ScheduleGPipe step time", 1.0),
+    ("1f1b_vs_Schedule1F1B", "pipeline 1F1B / Schedule1F1B step time", 1.0),
+    ("interleaved_vs_ScheduleInterleaved1F1B", "pipeline interleaved 1F1B / ScheduleInterleaved1F1B step time", 1.0),
 ]
 
 
@@ -47,9 +51,10 @@ def targets(rows: list[dict]) -> list[dict]:
         r = by_name.get(name)
         if r is not None and r.get("ratio") is not None:
             rr = r.get("round_ratios") or [r["ratio"]]
+            control = by_name.get(f"control_{name.split('_vs_')[1]}_vs_itself")  # benchmarks.pipeline --control
             out.append({"target": f"{what} <= {limit}", "value": r["ratio"], "spread": [min(rr), max(rr)],
                         "cpu_ratio": r.get("cpu_ratio"), "floor": r.get("floor_ratio"), "limit": limit,
-                        "met": r["ratio"] <= limit})
+                        "control": control.get("ratio") if control else None, "met": r["ratio"] <= limit})
     for r in rows:
         s = summarize(r)
         if s.get("counted_matches_account") is not None:
@@ -93,13 +98,16 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=list(BENCHMARKS))
+    p.add_argument("--control", action="store_true",
+                   help="time each torch pipeline schedule against itself too (A/A rows: the noise of a ratio this run)")
     args = p.parse_args(argv)
     settings = settings_from_args(args)
     t0 = time.perf_counter()
     results = {}
     for name in args.only:
         worker, nprocs = BENCHMARKS[name]
-        results[name] = run_benchmark(name, worker, settings, args.out, nprocs=nprocs)
+        extra = {"control": True} if args.control and name == "pipeline" else {}
+        results[name] = run_benchmark(name, worker, settings, args.out, nprocs=nprocs, **extra)
     rows = [row for res in results.values() for row in res["rows"]]
     wall = time.perf_counter() - t0
     print()
@@ -111,7 +119,8 @@ def main(argv=None) -> dict:
         spread = (f"  [rounds {c['spread'][0]:.2f}-{c['spread'][1]:.2f}; CPU-time ratio {c['cpu_ratio']:.2f}"
                   + (f"; no-communication floor {c['floor']:.2f}" + (" (above the target: out of reach here)"
                                                                      if c['floor'] > c['limit'] else "")
-                     if c.get("floor") is not None else "") + "]"
+                     if c.get("floor") is not None else "")
+                  + (f"; torch against itself {c['control']:.2f}" if c.get("control") is not None else "") + "]"
                   if "spread" in c else "")
         print(f"  {'MET ' if c['met'] else 'MISS'} {c['target']}: {c.get('value_name', '')}{c['value']:.4f}{spread}")
     summary = {"settings": results[next(iter(results))]["settings"] if results else None, "wall_s": wall,

@@ -205,9 +205,17 @@ def test_tensor_parallel_smoke(tmp_path):
 
 @pytest.mark.multiprocess
 def test_pipeline_and_overhead_smoke(tmp_path):
-    rows = run_on(2, pipeline.worker, SETTINGS, cases=("1f1b_vs_Schedule1F1B",))[0]
-    _check_rows(rows, tmp_path, "pipeline")
+    rows = run_on(2, pipeline.worker, SETTINGS, cases=("1f1b_vs_Schedule1F1B",), control=True)[0]
+    _check_rows(rows[:1], tmp_path, "pipeline")
     assert rows[0]["b"]["ranks"][0]["comm"]["bytes"] == rows[0]["theory"]["bytes_rank0"]  # torch sends the same
+    # the A/A control: torch's 1F1B on both sides, each counted as the paper's bytes, first losses equal
+    control = rows[1]
+    assert control["name"] == "control_Schedule1F1B_vs_itself" and control["a"]["label"] == control["b"]["label"]
+    assert [s["ranks"][0]["comm"]["bytes"] for s in (control["a"], control["b"])] == [control["theory"]["bytes_rank0"]] * 2
+    assert control["a"]["losses"][0] == control["b"]["losses"][0]
+    from benchmarks.run import targets
+    checks = {c["target"]: c for c in targets(rows)}
+    assert checks["pipeline 1F1B / Schedule1F1B step time <= 1.0"]["control"] == control["ratio"]
     rows = run_on(1, overhead.worker, SETTINGS)[0]
     _check_rows(rows, tmp_path, "overhead")
 
