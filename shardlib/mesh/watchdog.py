@@ -44,6 +44,7 @@ import time
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError
 from .diagnosis import analyze
+from .helper_call import HelperCall
 from .mesh import env_seconds
 from .trace import Trace, is_library, read_trace_file
 
@@ -70,35 +71,6 @@ def watchdog_seconds() -> float:
 def _is_slice_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text and "pair closure" not in text
-
-
-class _Call:
-    """``fn()`` run on a helper thread, waited on by :meth:`Watchdog.wait` as if it were a gloo
-    work: a wait of a slice that does not see it end raises a "timed out" error (a slice)."""
-
-    def __init__(self, fn, collective: bool):
-        self.result, self.error, self._collective = None, None, collective
-        self._done = threading.Event()
-        self._seen = False  # the last wait saw the end (not: it ended just after that wait's slice)
-        threading.Thread(target=self._run, args=(fn,), name="shardlib-call", daemon=True).start()
-
-    def _run(self, fn) -> None:
-        try:
-            self.result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._seen
-
-    def wait(self, timeout: datetime.timedelta) -> None:
-        self._seen = self._done.wait(timeout.total_seconds())
-        if not self._seen:
-            raise TimeoutError("timed out (a slice of the watchdog's wait; the call runs on)")
-        if self._collective and isinstance(self.error, Exception):
-            raise self.error  # the collective failed: a peer is gone (diagnosed by the wait)
 
 
 class Watchdog:
@@ -284,7 +256,7 @@ class Watchdog:
         Raises:
             CollectiveError: as :meth:`wait`.
         """
-        work = _Call(fn, collective)
+        work = HelperCall(fn, collective)
         self.wait([work], rec, timeout, p2p=False)
         if work.error is not None:
             raise work.error
