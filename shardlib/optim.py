@@ -50,6 +50,19 @@ def _check_norm_type(value: Any) -> float:
     return float(value)
 
 
+def _refuse_unended_backward(zero, what: str) -> None:
+    """Raise when gradients were accumulated by a backward whose end never ran here: an earlier
+    backward raised part-way (torch drops the end-of-backward callback it queued) and the graph
+    was backpropagated again with no forward or ``zero_grad`` between (``retain_graph=True``),
+    so those gradients are not reduced. ``zero_grad`` or the next forward recovers (see
+    :meth:`~shardlib.parallel.zero.ZeroRuntime.recover_abandoned_backward`)."""
+    if zero.abandoned_backward():
+        raise RuntimeError(
+            f"{what} after a backward whose end never ran: an earlier backward raised part-way and the graph was "
+            "backpropagated again without a forward or zero_grad() in between, so these gradients are not reduced "
+            "over the data axes. Call zero_grad() (or run the forward again) before retrying the backward")
+
+
 def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm, counting every unique element once.
 
@@ -84,6 +97,7 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
             "clip_grad_norm_() after a backward inside no_sync(): gradients are not reduced yet, so their norm is "
             "not the global one. Run the last micro-batch's backward outside no_sync(), then clip"
         )
+    _refuse_unended_backward(zero, "clip_grad_norm_()")
     tp_axes = tuple(sorted({layer.axis for layer in smodel.plan.tp_layers}))
     pp_axes = (smodel.pp_axis,) if getattr(smodel, "pp_axis", None) else ()
     duplicates = getattr(smodel, "norm_duplicates", [])
@@ -222,6 +236,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "ZeroOptimizer.step() after a backward inside no_sync(): gradients are not reduced yet. "
                 "Run the last micro-batch's backward outside no_sync()"
             )
+        _refuse_unended_backward(self._zero, "ZeroOptimizer.step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():

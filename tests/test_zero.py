@@ -297,6 +297,41 @@ def test_a_backward_that_raises_part_way_leaves_the_next_steps_exact(mode):
             assert not queued, (stage, rank)
 
 
+def _retained_retry_worker(stage):
+    mesh = shardlib.init_mesh({"dp": 2})
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))[2 * mesh.rank : 2 * mesh.rank + 2]
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_Raising(), mesh, zero_stage=stage, chunk_size=40)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    loss = smodel(x)
+    _RaisingBackward.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            loss.backward(retain_graph=True)
+    finally:
+        _RaisingBackward.armed = False
+    loss.backward()  # the same graph again: no forward, no zero_grad, so nothing could recover
+    messages = []
+    for call in (opt.step, lambda: shardlib.clip_grad_norm_(smodel, 1.0)):
+        with pytest.raises(RuntimeError, match="whose end never ran") as info:
+            call()
+        messages.append(str(info.value))
+    opt.zero_grad()  # recovers: the next step is exact again (test above)
+    smodel(x).backward()
+    opt.step()
+    return messages
+
+
+def test_a_retried_backward_on_a_retained_graph_is_refused_not_silently_unreduced():
+    """Regression (found by a review of the recovery above): a raised ``backward(retain_graph=True)``
+    retried on the same graph, with no forward or zero_grad between, reduced nothing (stages 2-3
+    stepped on zero gradients, 0-1 on each rank's own); no hook can tell that backward from a
+    nested one, so ``step()`` and ``clip_grad_norm_`` refuse it on every rank, saying how to retry."""
+    for stage in range(4):
+        for messages in run_on(2, _retained_retry_worker, stage):
+            assert all("zero_grad()" in m for m in messages), messages
+
+
 def _forward_without_backward_worker(extra_forward):
     mesh = shardlib.init_mesh({"dp": 2})
     torch.manual_seed(0)
