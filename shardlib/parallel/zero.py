@@ -308,22 +308,25 @@ class ZeroRuntime(ParameterGathering):
 
     @eager
     def recover_abandoned_backward(self) -> None:
-        """Forget the per-backward state a raised backward left (see :meth:`abandoned_backward`),
-        so the next backward queues its callback and reduces (without this it never reduced
-        again and counted the raised one's gradients as arrived). Its launched reductions are
-        waited for (every rank launched the same ones when all raised alike; one rank raising
-        alone leaves the others in a collective that the mesh timeout ends). The gradients it
-        accumulated stay, as plain PyTorch's ``.grad`` does: ``zero_grad`` drops them. Called
-        by :meth:`zero_grad` and before the next forward."""
+        """Forget what a raised backward left (:meth:`abandoned_backward`), so the next one
+        queues its callback and reduces. Its launched reductions are waited for (the same on
+        every rank when all raised alike; one rank raising alone leaves the others in a
+        collective the mesh timeout ends); its gradients stay, as plain PyTorch's ``.grad``.
+        Called by :meth:`zero_grad` and before the next forward."""
         if not self.abandoned_backward():
             return
         self._callback_queued = False
+        self._view_hooks.adopted = []  # (their hooks stay: nothing is silenced)
         for chunk in self.chunks:
             self._finish_reduce(chunk)
-            chunk.ready.clear()
         self._next_reduce = 0
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        """The per-backward state back to its start (a backward's end, or a raised one's)."""
         self._tp_sums.end_backward()
-        self._view_hooks.adopted = []  # (their hooks stay: nothing is silenced)
+        for chunk in self.chunks:
+            chunk.ready.clear()
         if self.stage == 3:
             for chunk in self.chunks:
                 self._free(chunk)
@@ -333,7 +336,6 @@ class ZeroRuntime(ParameterGathering):
     def _end_backward(self) -> None:
         self._callback_queued = False
         self.unsynced = not self._sync
-        self._tp_sums.end_backward()
         if self._view_hooks.adopted:
             if self._sync:  # (a sync backward silences nothing)
                 self._view_hooks.adopted = []
@@ -344,12 +346,7 @@ class ZeroRuntime(ParameterGathering):
             for chunk in self.chunks:
                 self._finish_reduce(chunk)
             self._next_reduce = 0
-        for chunk in self.chunks:
-            chunk.ready.clear()
-        if self.stage == 3:
-            for chunk in self.chunks:
-                self._free(chunk)
-            self._bwd_next = len(self.chunks) - 1
+        self._forget_backward()
 
     def sync_grads(self) -> None:
         """Reduce the gradients accumulated under ``no_sync()`` now (the pipeline calls this
