@@ -414,7 +414,7 @@ class Watchdog:
                     self._vseen, self._vgen = v, gen
                 self._watch()
             except Exception:  # noqa: BLE001 - the store went away (its host ended): keep quiet
-                time.sleep(5 * _POLL)
+                self._stop.wait(5 * _POLL)  # not sleep: _at_exit's join must not time out on it
 
     def _at_exit(self) -> None:
         # stop the polling thread first: left inside a store call while the process group and the
