@@ -10,7 +10,9 @@ backward. In backward a chunk is gathered on
 the first saved tensor that needs it (``saved_tensors_hooks``: tensors that are views of a
 chunk are saved as (chunk, strides) and rebuilt from the re-gathered storage) or its first
 gradient, together with every chunk above it not yet gathered: gathers go in descending chunk
-order, the same on every rank whatever the data does, so they pair up across ranks.
+order, the same on every rank whatever the data does, so they pair up across ranks. A forward
+run inside backward (activation checkpointing's recompute, reentrant or not) gathers its chunks
+that same backward way and frees none: they are freed once their gradients are complete.
 
 :class:`ParameterGathering` is a mixin of :class:`~shardlib.parallel.zero.ZeroRuntime`; it
 uses its ``chunks``, ``param_chunk``, ``model``, ``mesh``, ``axes``, ``stage``, ``plan``,
@@ -115,6 +117,13 @@ class ParameterGathering:
     @eager
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         chunks = self._module_chunks[module]
+        if torch._C._current_graph_task_id() != -1:
+            # a forward run inside backward: activation checkpointing's recompute. Its chunks are
+            # gathered the backward way (descending, the same on every rank) and freed when their
+            # gradients are complete or at the end of backward, not by the forward's use counts
+            for c in sorted(chunks, key=lambda c: -c.index):
+                self._backward_touch(c)
+            return
         top = max(c.index for c in chunks)
         for i in range(self._fwd_next, top + 1):
             self._gather(self.chunks[i])
@@ -129,6 +138,8 @@ class ParameterGathering:
 
     @eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a recompute (see _pre_forward)
+            return
         for c in self._module_chunks[module]:
             self._uses[c.index] -= 1
             if self._uses[c.index] <= 0 and c.plan.reshard_after_forward:

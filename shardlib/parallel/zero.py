@@ -20,17 +20,17 @@ stage    parameters           gradients              communication per step
 The optimizer updates one flat tensor per trainable chunk: the full chunk (stage 0) or the
 rank's shard (stages 1-3), so optimizer state is sharded from stage 1.
 
-Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.data`` pointing
-into their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook``
-and are copied (first gradient after ``zero_grad``, which only marks buffers stale) or added
-into the chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0 ``prm.grad``
-then becomes a view of it, as with DDP's ``gradient_as_bucket_view`` (inside ``no_sync()`` its
-hook is then removed until sync resumes: autograd adds into the view itself);
-a chunk is reduced once all its trainable parameters have their gradient, in a fixed order
-(descending chunk index) so every rank issues the same collectives in the same order, as DDP's
-buckets do. Stage 3 frees a chunk's storage (``untyped_storage().resize_(0)``, FSDP's way) after
-the forward of the last module using it and gathers it again in backward, prefetching the next
-chunk in each direction (:mod:`shardlib.parallel.gather`); while it is freed, its parameters raise
+Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.data`` pointing into
+their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook`` and are
+copied (first gradient after ``zero_grad``, which only marks buffers stale) or added into the
+chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0 ``prm.grad`` then becomes a
+view of it, as with DDP's ``gradient_as_bucket_view`` (inside ``no_sync()`` its hook is then removed
+until sync resumes: autograd adds into the view itself); a chunk is reduced once all its trainable
+parameters have their gradient, in a fixed order (descending chunk index) so every rank issues the
+same collectives in the same order, as DDP's buckets do. Stage 3 frees a chunk's storage
+(``untyped_storage().resize_(0)``, FSDP's way) after the forward of the last module using it and
+gathers it again in backward, prefetching the next chunk in each direction
+(:mod:`shardlib.parallel.gather`); while it is freed, its parameters raise
 :class:`~shardlib.errors.ShardedAwayError` on any use but metadata (:mod:`shardlib.parallel.chunk`).
 """
 
@@ -43,6 +43,7 @@ from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, ra
 from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
 from .gather import ParameterGathering
+from .nested_backward import defer_to_outer_backward
 from .tensor_grads import TensorGradSums
 from .view_hooks import ViewHooks
 
@@ -335,6 +336,8 @@ class ZeroRuntime(ParameterGathering):
     @eager
     def _end_backward(self) -> None:
         self._callback_queued = False
+        if defer_to_outer_backward(self._queue_callback):
+            return
         self.unsynced = not self._sync
         if self._view_hooks.adopted:
             if self._sync:  # (a sync backward silences nothing)
