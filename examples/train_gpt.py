@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism on the tp axis (norms/dropout on sequence shards)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3])
+    p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "selective"],
+                   help="recompute each block's activations in backward: full (keep its input) or selective "
+                        "(also keep its matmul outputs)")
     p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--batch-size", type=positive_int, default=16, help="GLOBAL batch size (sequences per step)")
     p.add_argument("--block-size", type=positive_int, default=128)
@@ -319,6 +322,7 @@ def main(argv=None) -> int:
         print(corpus)
         print(f"model: {model.num_params():,} parameters, mesh {mesh.shape}, ZeRO stage {args.zero_stage}")
     options = dict(zero_stage=args.zero_stage, sequence_parallel=args.sequence_parallel, dropout_seed=args.seed,
+                   activation_checkpointing=None if args.activation_checkpointing == "none" else args.activation_checkpointing,
                    **preset_options)
     pipelined = mesh.shape.get("pp", 1) > 1
     if pipelined:  # stages over pp, each sharded over the other axes

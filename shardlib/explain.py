@@ -22,7 +22,7 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
     by_layer: dict[str, list[str]] = {}
     for c in tensor_parallel_collectives(plan):
         size = f"{c.per_token}/token" if c.per_token else f"{c.fixed} elements once per step"
-        by_layer.setdefault(c.layer, []).append(f"{'fwd' if c.phase == 'forward' else 'bwd'} {c.kind} {size}")
+        by_layer.setdefault(c.layer, []).append(f"{ {'forward': 'fwd', 'recompute': 'recompute'}.get(c.phase, 'bwd')} {c.kind} {size}")
     kind_width = max(len(layer.kind) for layer in plan.tp_layers)
     rows = []
     for layer in plan.tp_layers:

@@ -62,6 +62,17 @@ def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _recompute_line(choices: tuple[tuple[str, str], ...]) -> str:
+    parts = []
+    for mode in ("full", "selective"):
+        paths = [p or "(the whole module)" for p, m in choices if m == mode]
+        if paths:
+            shown = ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, {paths[1]}, ..., {paths[-1]}"
+            parts.append(f"{mode} on {len(paths)} module{'s' if len(paths) > 1 else ''} ({shown})")
+    return ("activation checkpointing: " + "; ".join(parts) + ": their forward runs again in backward "
+            "(full keeps each one's input, selective also its matmul outputs)")
+
+
 def _state_lines(plan) -> list[str]:
     stage = plan.effective_stage
     parts = (("params", plan.param_bytes), ("grads", plan.grad_bytes), ("optimizer", plan.optimizer_bytes))
@@ -83,6 +94,8 @@ def _state_lines(plan) -> list[str]:
             f"activation offload: {plan.offload_ratio:.0%} of saved activation bytes moved to host memory in forward, "
             f"{1 - plan.offload_ratio:.0%} kept on the device (sizes depend on the data; measured in "
             "smodel.activation_offload.stats); parameters never move")
+    if plan.activation_checkpointing:
+        lines.append(_recompute_line(plan.activation_checkpointing))
     if plan.init_rules:
         lines.append(f"lazy init: {len(plan.init_rules)} parameters materialized from the meta device, only local "
                      f"shards, seed {plan.init_seed}")

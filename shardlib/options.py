@@ -25,7 +25,7 @@ OPTIONS = frozenset({
     "zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
     "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
     "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload",
-    "verify", "verify_input", "tp_sum_grads", "vocab_parallel_logits",
+    "verify", "verify_input", "tp_sum_grads", "vocab_parallel_logits", "activation_checkpointing",
 })
 
 

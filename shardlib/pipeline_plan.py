@@ -309,6 +309,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     for key in ("logical_axis_rules", "sp_entry", "sp_exit"):
         options.pop(key, None)
     options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
+    # the whole model's modules to recompute (a stage's ModuleLists are not the model's); a stage takes its own
+    options["activation_checkpointing"] = lambda path, _, chosen=dict(whole.activation_checkpointing): chosen.get(path)
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))

@@ -25,6 +25,7 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .plan_items import ChunkPlan, ParamPlan
+from .parallel.recompute import resolve_activation_checkpointing
 from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
                                     tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
@@ -64,6 +65,7 @@ class Plan:
     init_seed: int = 0
     offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
+    activation_checkpointing: tuple[tuple[str, str], ...] = ()  # (module path, "full" | "selective"): recomputed
     verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
     verify_input: Any = field(compare=False, repr=False, default=None)
     mesh: Any = field(compare=False, repr=False, default=None)
@@ -312,6 +314,13 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             measures (``smodel.activation_offload.stats``); default None: no saved-tensor hooks.
         optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
             2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
+        activation_checkpointing: modules whose forward backward runs again instead of keeping their activations
+            (non-reentrant ``torch.utils.checkpoint``): ``"full"`` (every transformer block: a Hugging Face model's
+            ``_no_split_modules``, else the largest ``nn.ModuleList`` of one module type), ``"selective"`` (every
+            block, keeping its matmul outputs: Korthikanti et al. 2022), an int ``k`` (every k-th block), or
+            ``fn(path, module) -> bool | "full" | "selective"``; composes with every ZeRO stage, tensor and sequence
+            parallelism, pipelines, offload, mixed precision and mesh-independent dropout (the recompute draws
+            the forward's masks); see :mod:`shardlib.parallel.recompute`. Default None: nothing recomputed.
         param_dtype: mixed precision (the semantics of FSDP2's ``MixedPrecisionPolicy``; Micikevicius et al., arXiv
             1710.03740): forward and backward run on copies of the floating parameters in this dtype
             (``torch.bfloat16`` or ``torch.float16``), while the master weights, gradients and optimizer state stay
@@ -343,7 +352,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             tensor-parallel layout that cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis
             of size > 1 that nothing uses; a pattern matching no parameter; conflicting specs on a tied parameter; a
             parameter on the meta device with no init rule (or a model only partly on meta); an ``offload_ratio``
-            outside [0, 1]; a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
+            outside [0, 1]; an ``activation_checkpointing`` of another form, selecting nothing, or finding no
+            transformer blocks; a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
             pipeline option without a pipeline axis; the pipeline checks of
             :func:`~shardlib.pipeline_plan.plan_pipeline`; a model that is, or contains, a module
             :func:`~shardlib.shard` was given or returned (a module is sharded once).
@@ -490,6 +500,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         init_seed=int(options.get("init_seed", 0)),
         offload_ratio=opts.offload_ratio,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
+        activation_checkpointing=resolve_activation_checkpointing(
+            model, options.get("activation_checkpointing"), strict=options.get("strict_specs", True)),
         verify=bool(options.get("verify", True)),
         verify_input=options.get("verify_input"),
         mesh=mesh,

@@ -199,17 +199,19 @@ class MeshDropout(nn.Module):
         self.calls = 0
         self.batch_parts, self.batch_index, self.seq_parts, self.seq_index = 1, 0, 1, 0
         self.microbatch = (0, 1)  # (index, count) of the local batch's equal microbatches
+        self.replaying = 0  # > 0 while shard()'s activation checkpointing recomputes (its masks replayed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x local ``(batch, seq, ...)``. Returns ``x * mask / (1 - p)`` in training mode, else ``x``."""
         if not self.training or self.p == 0.0:
             return x
-        if _in_backward():  # a recompute (activation checkpointing) would draw the next call's mask
+        if _in_backward() and not self.replaying:  # a recompute the user wrote would draw the next call's mask
             raise RuntimeError(
                 f"MeshDropout(p={self.p}) ran again during backward: activation recompute (torch.utils.checkpoint, "
                 "Hugging Face's gradient_checkpointing_enable()) re-runs the forward, and the recomputed mask would be "
                 "another one than the forward used, so the gradients would be wrong. Fix: set dropout to 0 when you "
-                "recompute activations (recompute-aware masks are not supported yet)")
+                "recompute activations yourself, or let shard(..., activation_checkpointing='full') recompute (it replays the "
+                "forward's masks)")
         shape = tuple(x.shape)
         global_shape = list(shape)
         offsets = [0] * len(shape)

@@ -12,6 +12,7 @@ from torch import nn
 from .parallel.tensor_lower import lower_tensor_parallel
 from .parallel.tensor_verify import verify_tensor_parallel
 from .parallel.offload import ActivationOffload, current_activation_offload
+from .parallel.recompute import apply_activation_checkpointing
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .lowering import refuse_lowered, register_lowering
@@ -34,6 +35,8 @@ class ShardedModule(nn.Module):
         module: the original module (its parameters now live in ZeRO chunks).
         plan: the plan applied.
         mesh: the mesh.
+        recomputed: the paths of the modules whose forward backward runs again (the plan's
+            ``activation_checkpointing``; a pipeline stage: those it holds).
         verification: what ``shard(verify=True)`` proved (:func:`~shardlib.parallel.tensor_verify.
             verify_tensor_parallel`: the units checked and the largest relative error, or why it
             was skipped), None with no tensor parallelism or ``verify=False``.
@@ -66,6 +69,8 @@ class ShardedModule(nn.Module):
             materialize_meta(module, default_device(), plan.mesh, root=init_root)  # a stage: the whole model's own init
             lazy = LazyInit(plan)
         self._zero = ZeroRuntime(module, plan, plan.mesh, lazy, model_name=self._model_name)
+        # after the lowering (a chosen module may have become a parallel layer) and ZeRO's hooks
+        self.recomputed = apply_activation_checkpointing(module, plan.activation_checkpointing, self._zero)
         # haiscale CPUOffload semantics; an activation_offload() context around a call wins
         off = plan.offload_ratio  # 0.0: measured, nothing moves; None: no hooks
         self._own_offload = ActivationOffload(off) if off is not None else None

@@ -277,6 +277,10 @@ def _cases() -> list[Case]:
         add(g, f"{flag}-not-bool", lambda e, f=flag, v=value: plan(mlp(), e["dp"], **{f: v}), S, M(f"{flag} must be True or False, got {value!r}"))
     for seed, value in (("dropout_seed", "5"), ("dropout_seed", 1.5), ("init_seed", None)):
         add(g, f"{seed}-{value!r}", lambda e, s=seed, v=value: plan(mlp(), e["dp"], **{s: v}), S, M(f"{seed} must be an int", f"got {value!r}"))
+    add(g, "activation_checkpointing-unknown", lambda e: plan(mlp(), e["dp"], activation_checkpointing="all"), S,
+        M("activation_checkpointing must be None, 'full', 'selective', an int k >= 1", "got 'all'"))
+    add(g, "activation_checkpointing-no-blocks", lambda e: plan(mlp(), e["dp"], activation_checkpointing="full"), S,
+        M("activation_checkpointing found no transformer blocks", "Fix: pass activation_checkpointing=lambda"))
     add(g, "fused-not-a-dict", lambda e: plan(mlp(), e["dp"], fused=3), S, M("fused must map module globs to a number of blocks", "got 3"))
     add(g, "fused-zero-blocks", lambda e: plan(mlp(), e["dp"], fused={"0": 0}), S, M("fused must map module globs", "{'0': 0}"))
     add(g, "fused-matches-no-module", lambda e: plan(mlp(), e["dp"], fused={"*.c_attn": 3}), S,

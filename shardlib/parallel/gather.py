@@ -55,6 +55,10 @@ class ParameterGathering:
         self._uses = list(self._static_uses)
         self._storage_ptr: dict[int, Chunk] = {}
 
+    def module_chunks(self, module: nn.Module) -> list[Chunk]:
+        """The chunks holding ``module``'s own parameters (not its submodules'), ascending."""
+        return self._module_chunks.get(module, []) if self.stage == 3 else []
+
     def _gather(self, chunk: Chunk) -> None:
         if chunk.gathered:
             return

@@ -11,6 +11,7 @@ replicated parameters (:mod:`shardlib.parallel.tensor_grads`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .tensor_grads import grad_sum_buckets
@@ -25,7 +26,8 @@ class TPCollective:
     Attributes:
         layer: module path (or what the collective serves). phase: ``"forward"`` or
         ``"backward"``. kind: collective kind. axis: the tensor axis. per_token: payload
-        elements per token, per micro-batch. fixed: payload elements of a collective issued
+        elements per token, per micro-batch. (``"recompute"``: a forward collective run again
+        in backward by activation checkpointing.) fixed: payload elements of a collective issued
         once per step, independent of tokens (a bucket of parameter gradients). fp32: the
         payload is in at least float32 whatever the activations' dtype (the statistics of
         :func:`~shardlib.parallel.cross_entropy.vocab_parallel_cross_entropy`).
@@ -96,6 +98,11 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
             out.append(TPCollective(plan.sp_exit, "forward", "all_gather", a, hidden))  # TP output layer
             if any(layer.output_layer for layer in plan.tp_layers):
                 out.append(TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden))
+    if plan.activation_checkpointing:  # a checkpointed module's forward collectives run again in its recompute
+        from .recompute import recompute_paths
+
+        inside = recompute_paths(plan)
+        out += [dataclasses.replace(c, phase="recompute") for c in out if c.phase == "forward" and inside(c.layer)]
     if plan.tp_layers:
         a = plan.tp_layers[0].axis
         for chunk, names, numel in grad_sum_buckets(plan):  # once per step, however many micro-batches

@@ -1,0 +1,248 @@
+"""Activation checkpointing as a plan option: which modules recompute their forward in backward.
+
+``shard(..., activation_checkpointing=...)`` names modules whose activations are not kept from
+forward to backward: each such module's forward runs under non-reentrant
+``torch.utils.checkpoint`` (Chen et al., "Training Deep Nets with Sublinear Memory Cost", arXiv
+1604.06174; torch's default semantics), and backward runs it again to rebuild what it needs.
+The forms (:func:`resolve_activation_checkpointing`):
+
+- ``"full"``: every transformer block (Megatron-LM's full recompute, arXiv 2205.05198 section
+  5: only a block's input is kept); the blocks are the modules named by a Hugging Face model's
+  ``_no_split_modules``, else the children of the model's largest ``nn.ModuleList`` of modules of
+  one type (:func:`transformer_blocks`).
+- ``"selective"``: every block, keeping the outputs of its matrix multiplications
+  (``aten.mm``, ``aten.addmm``) and recomputing the rest: attention scores, softmax, dropout
+  and the elementwise operations (Korthikanti et al. 2022, "selective activation recomputation",
+  through torch's ``create_selective_checkpoint_contexts``).
+- an int ``k``: full recompute of every ``k``-th block (blocks ``k, 2k, ...`` counting from 1;
+  torchtitan's ``selective_ac_option``).
+- a callable ``fn(path, module) -> False | True | "full" | "selective"`` over the model's
+  modules in ``named_modules()`` order; a module's descendants are not asked once it is chosen.
+
+The plan keeps the result as ``(module path, mode)`` pairs; :func:`apply_activation_checkpointing`
+installs them on the lowered module (after tensor parallelism replaced layers and ZeRO packed
+the parameters), keeping every module path and parameter name. What it composes with:
+
+- ZeRO-3: a recompute runs the module's forward inside backward; the chunks of the module and
+  its submodules are gathered the backward way (descending, :mod:`shardlib.parallel.gather`)
+  before it starts, so a chunk is gathered once for the recompute and the
+  module's backward together, and nothing is freed until its gradients are complete.
+- tensor and sequence parallelism: a checkpointed block's forward collectives (the row layers'
+  all-reduce or reduce-scatter, the column layers' all-gather under sequence parallelism) run
+  again in the recompute, as in Megatron-LM; the plan's ``comm_per_step`` counts them.
+- mesh-independent dropout (:class:`~shardlib.random.MeshDropout`): the recompute sets each
+  dropout module's counter and microbatch back to where the forward had them, so it draws the
+  forward's masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import ShardingError
+
+__all__ = ["MODES", "transformer_blocks", "resolve_activation_checkpointing", "apply_activation_checkpointing",
+           "recompute_paths"]
+
+MODES = ("full", "selective")
+_SAVED_OPS = ("mm", "addmm")  # selective: kept from forward (the matrix multiplications' outputs)
+
+
+def transformer_blocks(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s transformer blocks, in ``named_modules()`` order.
+
+    A Hugging Face model's blocks are the modules whose class is in its ``_no_split_modules``;
+    any other model's are the children of its largest ``nn.ModuleList`` whose children are all of
+    one class and hold parameters (the first such list on a tie).
+
+    Raises:
+        ShardingError: no module qualifies, naming the model and the fix (a callable).
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [path for path, m in model.named_modules() if path and type(m).__name__ in names]
+        if found:
+            return found
+    best: list[str] = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best):
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1 and all(any(True for _ in c.parameters()) for c in m):
+                best = [f"{path}.{i}" if path else str(i) for i in range(len(m))]
+    if not best:
+        raise ShardingError(
+            f"activation_checkpointing found no transformer blocks in {type(model).__name__}: it has no Hugging Face "
+            "_no_split_modules and no nn.ModuleList of modules of one type with parameters. Fix: pass "
+            "activation_checkpointing=lambda path, module: <True for the modules to recompute>")
+    return best
+
+
+def _choose(value: Any, path: str, module: nn.Module) -> str | None:
+    choice = value(path, module)
+    if choice is None or choice is False:
+        return None
+    if choice is True:
+        return "full"
+    if isinstance(choice, str) and choice in MODES:
+        return choice
+    raise ShardingError(
+        f"activation_checkpointing's function returned {choice!r} for module {path!r} ({type(module).__name__}); "
+        f"it must return False, True, 'full' or 'selective'")
+
+
+def resolve_activation_checkpointing(model: nn.Module, value: Any, strict: bool = True) -> tuple[tuple[str, str], ...]:
+    """The ``(module path, mode)`` pairs that ``value`` selects in ``model``, in module order.
+
+    Args:
+        model: the module being planned (a pipeline stage is given the whole model's choice as a
+            function, and may hold none of the chosen modules).
+        value: ``None`` or ``False`` (nothing), ``True`` or ``"full"``, ``"selective"``, an int
+            ``k >= 1``, or a function ``(path, module) -> False | True | "full" | "selective"``
+            (see the module docstring).
+        strict: refuse a choice that selects nothing (False for a pipeline stage).
+
+    Raises:
+        ShardingError: another value; a model whose ``config.use_cache`` is True (a Hugging Face
+            model: each recompute would append to the cache again); ``k`` larger than the number of blocks (nothing would be
+            recomputed); a function returning something else, or selecting no module; no
+            transformer blocks found for the string and int forms.
+    """
+    if value is None or value is False:
+        return ()
+    chosen = _resolve(model, value, strict)
+    config = getattr(model, "config", None)
+    if chosen and getattr(config, "use_cache", False) is True:
+        raise ShardingError(
+            f"activation_checkpointing on {type(model).__name__} with config.use_cache=True: its blocks append their keys "
+            "and values to the returned cache, and each recompute in backward would append them again. Fix: "
+            "model.config.use_cache = False before shard() (Hugging Face does the same under gradient checkpointing)")
+    return chosen
+
+
+def _resolve(model: nn.Module, value: Any, strict: bool) -> tuple[tuple[str, str], ...]:
+    if callable(value) and not isinstance(value, (str, int)):
+        chosen: list[tuple[str, str]] = []
+        for path, module in model.named_modules():
+            if any(path.startswith(p + ".") or p == "" for p, _ in chosen):
+                continue  # inside a chosen module
+            mode = _choose(value, path, module)
+            if mode is not None:
+                chosen.append((path, mode))
+        if strict and not chosen:
+            raise ShardingError(f"activation_checkpointing's function selected no module of {type(model).__name__}. "
+                                "Fix: return True for the modules to recompute (e.g. the transformer blocks)")
+        return tuple(chosen)
+    if value is True or (isinstance(value, str) and value in MODES):
+        mode = "full" if value is True else value
+        return tuple((path, mode) for path in transformer_blocks(model))
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        blocks = transformer_blocks(model)
+        if value > len(blocks):
+            raise ShardingError(
+                f"activation_checkpointing={value} (every {value}-th block) on {type(model).__name__}, which has "
+                f"{len(blocks)} transformer blocks: none would be recomputed. Fix: an int in [1, {len(blocks)}]")
+        return tuple((path, "full") for i, path in enumerate(blocks, start=1) if i % value == 0)
+    raise ShardingError(
+        f"activation_checkpointing must be None, 'full', 'selective', an int k >= 1 (every k-th block) or a function "
+        f"(path, module) -> bool | 'full' | 'selective', got {value!r}")
+
+
+def recompute_paths(plan) -> Callable[[str], bool]:
+    """``path -> bool``: does the module at ``path`` run inside a checkpointed module of ``plan``?"""
+    roots = [p for p, _ in plan.activation_checkpointing]
+    return lambda path: any(p == "" or path == p or path.startswith(p + ".") for p in roots)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(getattr(op, "overloadpacket", None), "__name__", "")
+    return CheckpointPolicy.MUST_SAVE if name in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Replay:
+    """The recompute context of one checkpointed call: the dropout counters of the forward, and
+    under ZeRO-3 the module's own chunks gathered the backward way."""
+
+    def __init__(self, module: nn.Module, dropouts: list, zero: Any):
+        self.module, self.dropouts, self.zero = module, dropouts, zero
+        self.saved = [(d.calls, d.microbatch) for d in dropouts]  # taken when the forward runs
+
+    @contextlib.contextmanager
+    def recompute(self):
+        zero = self.zero
+        if zero is not None and zero.stage == 3:
+            # every chunk the recompute uses, before it starts: a gather inside it would run ops
+            # the forward did not, which selective checkpointing's op cache refuses
+            chunks = {c.index: c for m in self.module.modules() for c in zero.module_chunks(m)}
+            for index in sorted(chunks, reverse=True):
+                zero._backward_touch(chunks[index])
+        now = [(d.calls, d.microbatch) for d in self.dropouts]
+        for d, (calls, micro) in zip(self.dropouts, self.saved):
+            d.calls, d.microbatch = calls, micro
+            d.replaying += 1
+        try:
+            yield
+        finally:
+            for d, (calls, micro) in zip(self.dropouts, now):
+                d.calls, d.microbatch = calls, micro
+                d.replaying -= 1
+
+
+def _contexts(module: nn.Module, mode: str, dropouts: list, zero: Any):
+    replay = _Replay(module, dropouts, zero)
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+        @contextlib.contextmanager
+        def both():
+            with replay.recompute(), recompute:  # the gathers outside the op cache
+                yield
+
+        return forward, both()
+    return contextlib.nullcontext(), replay.recompute()
+
+
+def apply_activation_checkpointing(root: nn.Module, choices: tuple[tuple[str, str], ...], zero: Any = None) -> list[str]:
+    """Make each chosen module of ``root`` recompute its forward in backward (non-reentrant
+    ``torch.utils.checkpoint`` around its ``forward``; its hooks, paths and names unchanged).
+
+    Args:
+        root: the lowered module (a pipeline stage holds only its own layers: the others are
+            skipped).
+        choices: ``(module path, mode)`` pairs from the plan.
+        zero: the :class:`~shardlib.parallel.zero.ZeroRuntime` (under ZeRO-3 a recompute gathers
+            the module's own chunks first).
+
+    Returns:
+        The paths installed.
+    """
+    from ..random import MeshDropout
+
+    installed = []
+    for path, mode in choices:
+        try:
+            module = root.get_submodule(path)
+        except AttributeError:
+            continue  # another pipeline stage's
+        dropouts = [m for m in module.modules() if isinstance(m, MeshDropout)]
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, _module=module, _mode=mode, _dropouts=dropouts, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(_inner, *args, use_reentrant=False,
+                              context_fn=functools.partial(_contexts, _module, _mode, _dropouts, zero), **kwargs)
+
+        module.forward = forward
+        installed.append(path)
+    return installed
