@@ -65,7 +65,7 @@ def _name(dtype) -> str:
 def _recompute_line(choices: tuple[tuple[str, str], ...]) -> str:
     parts = []
     for mode in ("full", "selective"):
-        paths = [p or "(the whole module)" for p, m in choices if m == mode]
+        paths = [p or "the root module" for p, m in choices if m == mode]
         if paths:
             shown = ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, {paths[1]}, ..., {paths[-1]}"
             parts.append(f"{mode} on {len(paths)} module{'s' if len(paths) > 1 else ''} ({shown})")

@@ -35,6 +35,7 @@ from .lowering import lower
 from .mesh.mesh import AbstractMesh
 from .models.hf import is_hf_model
 from .parallel.pipeline import Stage, partition
+from .parallel.recompute import stage_choice
 from .parallel.schedules import Simulation, bubble_fraction, build_schedule, simulate
 from .state_names import model_state_names
 
@@ -310,7 +311,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
         options.pop(key, None)
     options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
     # the whole model's modules to recompute (a stage's ModuleLists are not the model's); a stage takes its own
-    options["activation_checkpointing"] = lambda path, _, chosen=dict(whole.activation_checkpointing): chosen.get(path)
+    options["activation_checkpointing"] = stage_choice(whole.activation_checkpointing)
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))

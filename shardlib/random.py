@@ -209,9 +209,9 @@ class MeshDropout(nn.Module):
             raise RuntimeError(
                 f"MeshDropout(p={self.p}) ran again during backward: activation recompute (torch.utils.checkpoint, "
                 "Hugging Face's gradient_checkpointing_enable()) re-runs the forward, and the recomputed mask would be "
-                "another one than the forward used, so the gradients would be wrong. Fix: set dropout to 0 when you "
-                "recompute activations yourself, or let shard(..., activation_checkpointing='full') recompute (it replays the "
-                "forward's masks)")
+                "another one than the forward used, so the gradients would be wrong. Fix: set dropout to 0 where you "
+                "recompute activations yourself (torch.utils.checkpoint in a module, Hugging Face's gradient "
+                "checkpointing), or recompute only through shard(..., activation_checkpointing=...), which replays the masks")
         shape = tuple(x.shape)
         global_shape = list(shape)
         offsets = [0] * len(shape)

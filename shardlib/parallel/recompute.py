@@ -56,16 +56,18 @@ _SAVED_OPS = ("mm", "addmm")  # selective: kept from forward (the matrix multipl
 def transformer_blocks(model: nn.Module) -> list[str]:
     """The paths of ``model``'s transformer blocks, in ``named_modules()`` order.
 
-    A Hugging Face model's blocks are the modules whose class is in its ``_no_split_modules``;
-    any other model's are the children of its largest ``nn.ModuleList`` whose children are all of
-    one class and hold parameters (the first such list on a tie).
+    A Hugging Face model's blocks are the elements of an ``nn.ModuleList`` whose class is in its
+    ``_no_split_modules`` (which also names embedding classes, not blocks); any other model's are
+    the children of its largest ``nn.ModuleList`` whose children are all of one class and hold
+    parameters (the first such list on a tie).
 
     Raises:
         ShardingError: no module qualifies, naming the model and the fix (a callable).
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
-        found = [path for path, m in model.named_modules() if path and type(m).__name__ in names]
+        found = [f"{path}.{i}" if path else str(i) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                 for i, c in enumerate(m) if type(c).__name__ in names]
         if found:
             return found
     best: list[str] = []
@@ -86,35 +88,51 @@ def _choose(value: Any, path: str, module: nn.Module) -> str | None:
     choice = value(path, module)
     if choice is None or choice is False:
         return None
-    if choice is True:
-        return "full"
-    if isinstance(choice, str) and choice in MODES:
-        return choice
-    raise ShardingError(
-        f"activation_checkpointing's function returned {choice!r} for module {path!r} ({type(module).__name__}); "
-        f"it must return False, True, 'full' or 'selective'")
+    mode = "full" if choice is True else choice
+    if not (isinstance(mode, str) and mode in MODES):
+        raise ShardingError(
+            f"activation_checkpointing's function returned {choice!r} for module {path!r} ({type(module).__name__}); "
+            f"it must return False, True, 'full' or 'selective'")
+    if type(module).forward is nn.Module.forward:  # _forward_unimplemented: a container
+        raise ShardingError(
+            f"activation_checkpointing's function chose {path!r}, a {type(module).__name__}, which is never called "
+            "(it has no forward of its own), so nothing would be recomputed. Fix: choose the modules inside it "
+            f"(e.g. return True for its children {path + '.0' if path else '0'}, ...)")
+    return mode
 
 
-def resolve_activation_checkpointing(model: nn.Module, value: Any, strict: bool = True) -> tuple[tuple[str, str], ...]:
+def stage_choice(choices: tuple[tuple[str, str], ...]) -> Callable[[str, nn.Module], str | None]:
+    """The whole model's choices as the function a pipeline stage's plan is given: the stage's
+    share of them, which may be none."""
+    chosen = dict(choices)
+
+    def choose(path: str, module: nn.Module) -> str | None:
+        return chosen.get(path)
+
+    choose.stage = True  # a stage may hold none of the chosen modules
+    return choose
+
+
+def resolve_activation_checkpointing(model: nn.Module, value: Any) -> tuple[tuple[str, str], ...]:
     """The ``(module path, mode)`` pairs that ``value`` selects in ``model``, in module order.
 
     Args:
         model: the module being planned (a pipeline stage is given the whole model's choice as a
-            function, and may hold none of the chosen modules).
+            function, :func:`stage_choice`, and may hold none of the chosen modules).
         value: ``None`` or ``False`` (nothing), ``True`` or ``"full"``, ``"selective"``, an int
             ``k >= 1``, or a function ``(path, module) -> False | True | "full" | "selective"``
             (see the module docstring).
-        strict: refuse a choice that selects nothing (False for a pipeline stage).
 
     Raises:
-        ShardingError: another value; a model whose ``config.use_cache`` is True (a Hugging Face
+        ShardingError: another value; a function choosing a container (an ``nn.ModuleList``,
+            never called); a model whose ``config.use_cache`` is True (a Hugging Face
             model: each recompute would append to the cache again); ``k`` larger than the number of blocks (nothing would be
             recomputed); a function returning something else, or selecting no module; no
             transformer blocks found for the string and int forms.
     """
     if value is None or value is False:
         return ()
-    chosen = _resolve(model, value, strict)
+    chosen = _resolve(model, value, strict=not getattr(value, "stage", False))
     config = getattr(model, "config", None)
     if chosen and getattr(config, "use_cache", False) is True:
         raise ShardingError(
@@ -167,14 +185,15 @@ def _selective_policy(ctx, op, *args, **kwargs):
 
 class _Replay:
     """The recompute context of one checkpointed call: the dropout counters of the forward, and
-    under ZeRO-3 the module's own chunks gathered the backward way."""
+    under ZeRO-3 the chunks of the module and its submodules gathered the backward way. Entered
+    once per recompute (a second backward through a retained graph recomputes again)."""
 
-    def __init__(self, module: nn.Module, dropouts: list, zero: Any):
-        self.module, self.dropouts, self.zero = module, dropouts, zero
+    def __init__(self, module: nn.Module, dropouts: list, zero: Any, cache: Any = None):
+        self.module, self.dropouts, self.zero, self.cache = module, dropouts, zero, cache
         self.saved = [(d.calls, d.microbatch) for d in dropouts]  # taken when the forward runs
+        self.now: list = []
 
-    @contextlib.contextmanager
-    def recompute(self):
+    def __enter__(self):
         zero = self.zero
         if zero is not None and zero.stage == 3:
             # every chunk the recompute uses, before it starts: a gather inside it would run ops
@@ -182,31 +201,63 @@ class _Replay:
             chunks = {c.index: c for m in self.module.modules() for c in zero.module_chunks(m)}
             for index in sorted(chunks, reverse=True):
                 zero._backward_touch(chunks[index])
-        now = [(d.calls, d.microbatch) for d in self.dropouts]
+        self.now.append([(d.calls, d.microbatch) for d in self.dropouts])
         for d, (calls, micro) in zip(self.dropouts, self.saved):
             d.calls, d.microbatch = calls, micro
             d.replaying += 1
-        try:
-            yield
-        finally:
-            for d, (calls, micro) in zip(self.dropouts, now):
-                d.calls, d.microbatch = calls, micro
-                d.replaying -= 1
+        if self.cache is not None:
+            self.cache.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cache is not None:
+            self.cache.__exit__(*exc)
+        for d, (calls, micro) in zip(self.dropouts, self.now.pop()):
+            d.calls, d.microbatch = calls, micro
+            d.replaying -= 1
+        return False
 
 
 def _contexts(module: nn.Module, mode: str, dropouts: list, zero: Any):
-    replay = _Replay(module, dropouts, zero)
-    if mode == "selective":
+    if mode == "selective":  # the gathers and the counters first, outside the op cache
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
-        @contextlib.contextmanager
-        def both():
-            with replay.recompute(), recompute:  # the gathers outside the op cache
-                yield
+        return forward, _Replay(module, dropouts, zero, recompute)
+    return contextlib.nullcontext(), _Replay(module, dropouts, zero)
 
-        return forward, both()
-    return contextlib.nullcontext(), replay.recompute()
+
+def _refuse_cache(path: str, kwargs: dict) -> None:
+    for key, value in kwargs.items():
+        if "cache_utils" in type(value).__module__ or (key == "use_cache" and value is True):
+            raise RuntimeError(
+                f"activation_checkpointing recomputes {path!r}, which was called with {key}={type(value).__name__}"
+                f"{'' if value is not True else ' (True)'}: its keys and values would be appended to the cache again in "
+                "each recompute. Fix: call the model with use_cache=False in training")
+
+
+def _checkpointed(module: nn.Module, path: str, mode: str, zero: Any) -> Callable:
+    """``module.forward`` run under non-reentrant checkpointing (with gradients enabled)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ..random import MeshDropout
+
+    inner = module.forward
+    dropouts = [m for m in module.modules() if isinstance(m, MeshDropout)]
+    contexts = functools.partial(_contexts, module, mode, dropouts, zero)
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        _refuse_cache(path, kwargs)
+        # the module's keywords bound here: checkpoint() would take debug=, determinism_check=, ...
+        # as its own. No early stop: the recompute runs the whole forward, so its collectives
+        # are the forward's (torch stops after the last saved tensor, which depends on the model)
+        return checkpoint(functools.partial(inner, **kwargs) if kwargs else inner, *args, use_reentrant=False,
+                          context_fn=contexts, early_stop=False)
+
+    return forward
 
 
 def apply_activation_checkpointing(root: nn.Module, choices: tuple[tuple[str, str], ...], zero: Any = None) -> list[str]:
@@ -223,26 +274,12 @@ def apply_activation_checkpointing(root: nn.Module, choices: tuple[tuple[str, st
     Returns:
         The paths installed.
     """
-    from ..random import MeshDropout
-
     installed = []
     for path, mode in choices:
         try:
             module = root.get_submodule(path)
         except AttributeError:
             continue  # another pipeline stage's
-        dropouts = [m for m in module.modules() if isinstance(m, MeshDropout)]
-        inner = module.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, _module=module, _mode=mode, _dropouts=dropouts, **kwargs):
-            if not torch.is_grad_enabled():
-                return _inner(*args, **kwargs)
-            from torch.utils.checkpoint import checkpoint
-
-            return checkpoint(_inner, *args, use_reentrant=False,
-                              context_fn=functools.partial(_contexts, _module, _mode, _dropouts, zero), **kwargs)
-
-        module.forward = forward
+        module.forward = _checkpointed(module, path, mode, zero)
         installed.append(path)
     return installed
