@@ -16,13 +16,16 @@ from .parallel.tensor_cost import tensor_parallel_collectives
 __all__ = ["explain"]
 
 
+_PHASE = {"forward": "fwd", "backward": "bwd", "recompute": "recompute"}  # a TPCollective's phase, shown
+
+
 def _tensor_parallel_lines(plan, full: bool) -> list[str]:
     """The tensor-parallel layers with their collectives per micro-batch, repeated blocks folded
     (unless ``full``) when there are more than ``FOLD_ABOVE`` of them."""
     by_layer: dict[str, list[str]] = {}
     for c in tensor_parallel_collectives(plan):
         size = f"{c.per_token}/token" if c.per_token else f"{c.fixed} elements once per step"
-        by_layer.setdefault(c.layer, []).append(f"{ {'forward': 'fwd', 'recompute': 'recompute'}.get(c.phase, 'bwd')} {c.kind} {size}")
+        by_layer.setdefault(c.layer, []).append(f"{_PHASE[c.phase]} {c.kind} {size}")
     kind_width = max(len(layer.kind) for layer in plan.tp_layers)
     rows = []
     for layer in plan.tp_layers:

@@ -146,7 +146,7 @@ def _resolve(model: nn.Module, value: Any, strict: bool) -> tuple[tuple[str, str
     if callable(value) and not isinstance(value, (str, int)):
         chosen: list[tuple[str, str]] = []
         for path, module in model.named_modules():
-            if any(path.startswith(p + ".") or p == "" for p, _ in chosen):
+            if any(_within(path, p) for p, _ in chosen):
                 continue  # inside a chosen module
             mode = _choose(value, path, module)
             if mode is not None:
@@ -170,10 +170,15 @@ def _resolve(model: nn.Module, value: Any, strict: bool) -> tuple[tuple[str, str
         f"(path, module) -> bool | 'full' | 'selective', got {value!r}")
 
 
+def _within(path: str, root: str) -> bool:
+    """Is the module at ``path`` the module at ``root`` or inside it (``""``: the root module)?"""
+    return root == "" or path == root or path.startswith(root + ".")
+
+
 def recompute_paths(plan) -> Callable[[str], bool]:
     """``path -> bool``: does the module at ``path`` run inside a checkpointed module of ``plan``?"""
     roots = [p for p, _ in plan.activation_checkpointing]
-    return lambda path: any(p == "" or path == p or path.startswith(p + ".") for p in roots)
+    return lambda path: any(_within(path, p) for p in roots)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -188,19 +193,16 @@ class _Replay:
     under ZeRO-3 the chunks of the module and its submodules gathered the backward way. Entered
     once per recompute (a second backward through a retained graph recomputes again)."""
 
-    def __init__(self, module: nn.Module, dropouts: list, zero: Any, cache: Any = None):
-        self.module, self.dropouts, self.zero, self.cache = module, dropouts, zero, cache
+    def __init__(self, chunks: list, dropouts: list, zero: Any, cache: Any = None):
+        self.chunks, self.dropouts, self.zero, self.cache = chunks, dropouts, zero, cache
         self.saved = [(d.calls, d.microbatch) for d in dropouts]  # taken when the forward runs
         self.now: list = []
 
     def __enter__(self):
-        zero = self.zero
-        if zero is not None and zero.stage == 3:
-            # every chunk the recompute uses, before it starts: a gather inside it would run ops
-            # the forward did not, which selective checkpointing's op cache refuses
-            chunks = {c.index: c for m in self.module.modules() for c in zero.module_chunks(m)}
-            for index in sorted(chunks, reverse=True):
-                zero._backward_touch(chunks[index])
+        # every chunk the recompute uses, before it starts: a gather inside it would run ops the
+        # forward did not, which selective checkpointing's op cache refuses
+        for chunk in self.chunks:
+            self.zero._backward_touch(chunk)
         self.now.append([(d.calls, d.microbatch) for d in self.dropouts])
         for d, (calls, micro) in zip(self.dropouts, self.saved):
             d.calls, d.microbatch = calls, micro
@@ -218,13 +220,13 @@ class _Replay:
         return False
 
 
-def _contexts(module: nn.Module, mode: str, dropouts: list, zero: Any):
+def _contexts(chunks: list, mode: str, dropouts: list, zero: Any):
     if mode == "selective":  # the gathers and the counters first, outside the op cache
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
-        return forward, _Replay(module, dropouts, zero, recompute)
-    return contextlib.nullcontext(), _Replay(module, dropouts, zero)
+        return forward, _Replay(chunks, dropouts, zero, recompute)
+    return contextlib.nullcontext(), _Replay(chunks, dropouts, zero)
 
 
 def _refuse_cache(path: str, kwargs: dict) -> None:
@@ -244,7 +246,9 @@ def _checkpointed(module: nn.Module, path: str, mode: str, zero: Any) -> Callabl
 
     inner = module.forward
     dropouts = [m for m in module.modules() if isinstance(m, MeshDropout)]
-    contexts = functools.partial(_contexts, module, mode, dropouts, zero)
+    # ZeRO-3: the chunks of the module and its submodules, descending (backward's gather order)
+    chunks = {c.index: c for m in module.modules() for c in (zero.module_chunks(m) if zero is not None else ())}
+    contexts = functools.partial(_contexts, [chunks[i] for i in sorted(chunks, reverse=True)], mode, dropouts, zero)
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):

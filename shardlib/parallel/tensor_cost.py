@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .recompute import recompute_paths
 from .tensor_grads import grad_sum_buckets
 
 __all__ = ["TPCollective", "tensor_parallel_collectives"]
@@ -99,8 +100,6 @@ def tensor_parallel_collectives(plan) -> list[TPCollective]:
             if any(layer.output_layer for layer in plan.tp_layers):
                 out.append(TPCollective(plan.sp_exit, "backward", "reduce_scatter", a, hidden))
     if plan.activation_checkpointing:  # a checkpointed module's forward collectives run again in its recompute
-        from .recompute import recompute_paths
-
         inside = recompute_paths(plan)
         out += [dataclasses.replace(c, phase="recompute") for c in out if c.phase == "forward" and inside(c.layer)]
     if plan.tp_layers:
