@@ -24,7 +24,7 @@ from .lazy import meta_init_rules, missing_rule_error
 from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
-from .plan_items import ChunkPlan, ParamPlan
+from .plan_items import ChunkPlan, ParamPlan, pack_chunks
 from .parallel.recompute import resolve_activation_checkpointing
 from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
                                     tensor_split, with_sum_globs)
@@ -83,35 +83,7 @@ class Plan:
         most ``chunk_size`` elements (a larger parameter gets its own); padded to a multiple of
         the data-axis size. Ranks that differ only in data coordinates get identical chunks.
         """
-        mesh_shape, coords = dict(self.mesh_shape), self.coords()
-        parts = self.data_size
-        chunks: list[dict] = []
-        open_chunk: dict[tuple, int] = {}
-        for p in self.params:
-            n = int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64))
-            group = (p.dtype, p.requires_grad, p.tp_axis is not None)
-            idx = open_chunk.get(group)
-            if idx is None or (chunks[idx]["numel"] + n > self.chunk_size and chunks[idx]["numel"] > 0):
-                idx = len(chunks)
-                chunks.append({"group": group, "params": [], "offsets": [], "numel": 0})
-                open_chunk[group] = idx
-            chunks[idx]["params"].append(p.name)
-            chunks[idx]["offsets"].append(chunks[idx]["numel"])
-            chunks[idx]["numel"] += n
-        def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
-            return option if option is not None and dtype.is_floating_point and option != dtype else None
-
-        tied = {p.name for p in self.params if p.aliases}
-
-        return tuple(
-            ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
-                      offsets=tuple(c["offsets"]), numel=c["numel"],
-                      padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
-                      compute_dtype=mixed(c["group"][0], self.param_dtype),
-                      reduce_dtype=mixed(c["group"][0], self.reduce_dtype),
-                      reshard_after_forward=not tied.intersection(c["params"]))
-            for i, c in enumerate(chunks)
-        )
+        return pack_chunks(self)
 
     @functools.cached_property
     def placement(self) -> dict[str, tuple[int, int]]:

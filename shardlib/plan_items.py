@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .spec import PartitionSpec, shard_range
 
-__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks"]
+__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks", "pack_chunks"]
 
 
 def fused_blocks(size: int, fused: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -182,3 +183,40 @@ class ChunkPlan:
         """Gradients are reduced in another dtype than the master's: reduced in a transient
         buffer, then added into the master-dtype gradient shard."""
         return self.reduce_dtype is not None and self.reduce_dtype != self.dtype
+
+
+
+def pack_chunks(plan) -> tuple[ChunkPlan, ...]:
+    """The ZeRO chunks of ``plan`` on this rank: what :attr:`shardlib.plan.Plan.chunks` returns
+    (registration order, one open chunk per (dtype, trainable, tensor-split) group of at most
+    ``plan.chunk_size`` elements, padded to a multiple of the data-axis size)."""
+    mesh_shape, coords = dict(plan.mesh_shape), plan.coords()
+    parts = plan.data_size
+    chunks: list[dict] = []
+    open_chunk: dict[tuple, int] = {}
+    for p in plan.params:
+        n = int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64))
+        group = (p.dtype, p.requires_grad, p.tp_axis is not None)
+        idx = open_chunk.get(group)
+        if idx is None or (chunks[idx]["numel"] + n > plan.chunk_size and chunks[idx]["numel"] > 0):
+            idx = len(chunks)
+            chunks.append({"group": group, "params": [], "offsets": [], "numel": 0})
+            open_chunk[group] = idx
+        chunks[idx]["params"].append(p.name)
+        chunks[idx]["offsets"].append(chunks[idx]["numel"])
+        chunks[idx]["numel"] += n
+
+    def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
+        return option if option is not None and dtype.is_floating_point and option != dtype else None
+
+    tied = {p.name for p in plan.params if p.aliases}
+
+    return tuple(
+        ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
+                  offsets=tuple(c["offsets"]), numel=c["numel"],
+                  padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
+                  compute_dtype=mixed(c["group"][0], plan.param_dtype),
+                  reduce_dtype=mixed(c["group"][0], plan.reduce_dtype),
+                  reshard_after_forward=not tied.intersection(c["params"]))
+        for i, c in enumerate(chunks)
+    )
