@@ -1,0 +1,213 @@
+"""Memory: shardlib's peak per rank against PyTorch's tools on the same model, batch and world size.
+
+Each row builds both sides on every rank of one worker group (gloo, one thread each), runs one
+unmeasured step (so AdamW's state exists, as in training), then one step whose peak is the model
+state before it plus the highest running sum of the CPU allocations ``torch.profiler`` records
+(:func:`_peak`; the largest over the ranks), the bytes autograd saved for backward
+(:func:`benchmarks.common.saved_activation_bytes`), and the targets of issue 16:
+
+==============================  ==============================================  ===============
+row                             PyTorch side                                     target
+==============================  ==============================================  ===============
+zero3 vs FSDP2 (10.8M, 24x64)   ``fully_shard`` per block + root                 peak <= torch
+zero0 vs DDP                    ``DistributedDataParallel``                      <= 1.05 x
+one rank vs plain PyTorch       the model and AdamW, no wrapper                  <= 1.05 x
+zero3 full recompute vs none    the same shardlib model without checkpointing    see below
+==============================  ==============================================  ===============
+
+The recompute row compares shardlib against itself on purpose: what the option buys. Its
+targets: saved activations fall by at least the factor of Korthikanti et al. 2022 (a block
+saves ``s b h (34 + 5 a s / h)`` bytes in 16-bit without recompute and its ``2 s b h`` input
+with; fp32 doubles both, so the factor is ``(34 + 5 a s / h) / 2``; only the blocks are in the
+formula, the embeddings and the head are in the measured figure), the step time of full
+recompute over none (medians of alternated steps) at most 1.4, and the ZeRO-3 all-gather bytes
+per step unchanged (counted by the mesh's ``CommCounter``).
+
+    python -m benchmarks.memory            # 10.8M GPT and the 24-block narrow GPT, batch 4 x 128
+    python -m benchmarks.memory --quick    # 0.4M GPT, batch 4 x 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .common import Settings, add_common_args, batches, make_gpt, saved_activation_bytes, settings_from_args, \
+    torch_state_bytes, train_step, worker_group
+
+CASES = ("zero3_vs_fsdp2", "zero3_vs_fsdp2_narrow", "zero0_vs_ddp", "one_rank_vs_plain", "zero3_recompute")
+NARROW = dict(n_layer=24, n_head=4, n_embd=64)  # the 24-block narrow GPT (1.2M parameters)
+
+
+def _peak(step, state_bytes) -> int:
+    """Peak bytes over one call of ``step``, the largest over the ranks: the model state alive
+    before it (``state_bytes()["total"]``: parameters, gradients, optimizer state) plus the
+    highest running sum of every CPU allocation and free during the call, as
+    ``torch.profiler(profile_memory=True)`` records them per top-level operator (c10's CPU
+    allocator reports each storage allocation, a ZeRO-3 chunk's ``resize_`` included).
+    MemTracker is not used: it reads every tracked parameter's storage at start, which a ZeRO-3
+    parameter between steps refuses (ShardedAwayError), and it does not see ``resize_``."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    base = state_bytes()["total"]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    run = top = 0
+    for e in sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start):
+        run += e.cpu_memory_usage
+        top = max(top, run)
+    peak = torch.tensor(base + top, dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def _shardlib(settings, mesh, data, stage, **options):
+    import shardlib
+
+    smodel = shardlib.shard(make_gpt(settings, **options.pop("gpt", {})), mesh, zero_stage=stage, **options)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
+    return train_step(smodel, opt, data), [smodel], lambda: shardlib.model_state_bytes(smodel, opt), smodel
+
+
+def _torch(settings, kind, data, **gpt):
+    import torch.distributed as dist
+
+    model = make_gpt(settings, **gpt)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dm = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        for block in model.blocks:
+            fully_shard(block, mesh=dm)
+        fully_shard(model, mesh=dm)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    return train_step(model, opt, data), [model], lambda: torch_state_bytes(model, opt)
+
+
+def _measure(step, modules, state_bytes) -> dict:
+    step(0)  # AdamW's state exists from here on, as in training
+    saved = saved_activation_bytes(lambda: step(1), modules)
+    return {"peak": _peak(lambda: step(2), state_bytes), "saved": saved}
+
+
+def _row(name, ours, theirs, target, limit) -> dict:
+    ratio = ours["peak"] / theirs["peak"]
+    return {"comparison": name, "shardlib peak MB": round(ours["peak"] / 2**20, 1),
+            "torch peak MB": round(theirs["peak"] / 2**20, 1), "ratio": round(ratio, 3),
+            "shardlib saved MB": round(ours["saved"] / 2**20, 1), "torch saved MB": round(theirs["saved"] / 2**20, 1),
+            "target": f"{target}: {'met' if ratio <= limit else 'MISS'}"}
+
+
+def _timed(step, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        step(10 + i)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _recompute_row(settings, mesh, data) -> dict:
+    """Full recompute against none at ZeRO-3: saved bytes against the formula's factor, step
+    time (alternated blocks of 3 steps), all-gather bytes per step."""
+    sides = {}
+    for mode in (None, "full"):
+        step, modules, state, smodel = _shardlib(settings, mesh, data, 3, activation_checkpointing=mode)
+        step(0)
+        mesh.comm.reset()
+        step(1)
+        gathered = sum(b for (axis, kind), (_, b) in mesh.comm.table().items() if kind == "all_gather")
+        sides[mode] = {"step": step, "saved": saved_activation_bytes(lambda: step(2), modules),
+                       "peak": _peak(lambda: step(3), state), "gathered": gathered, "times": []}
+    for _ in range(max(1, settings.steps // 3)):
+        for mode in (None, "full"):
+            sides[mode]["times"] += _timed(sides[mode]["step"], 3)
+    cfg = settings.gpt_config()
+    a, s, h = cfg.n_head, settings.seq, cfg.n_embd
+    factor = (34 + 5 * a * s / h) / 2
+    measured = sides[None]["saved"] / sides["full"]["saved"]
+    time_ratio = statistics.median(sides["full"]["times"]) / statistics.median(sides[None]["times"])
+    same_bytes = sides[None]["gathered"] == sides["full"]["gathered"]
+    return {"comparison": "zero3 full recompute vs none", "shardlib peak MB": round(sides["full"]["peak"] / 2**20, 1),
+            "torch peak MB": round(sides[None]["peak"] / 2**20, 1), "ratio": round(sides["full"]["peak"] / sides[None]["peak"], 3),
+            "shardlib saved MB": round(sides["full"]["saved"] / 2**20, 2), "torch saved MB": round(sides[None]["saved"] / 2**20, 2),
+            "target": (f"saved / {measured:.1f} (formula {factor:.1f}): {'met' if measured >= factor else 'MISS'}; "
+                       f"time x{time_ratio:.2f} (<= 1.4): {'met' if time_ratio <= 1.4 else 'MISS'}; all-gather "
+                       f"{int(sides['full']['gathered']):,} B vs {int(sides[None]['gathered']):,}: {'met' if same_bytes else 'MISS'}")}
+
+
+def worker(settings: Settings, cases=CASES) -> list[dict]:
+    import torch.distributed as dist
+
+    import shardlib
+
+    n = dist.get_world_size()
+    mesh = shardlib.init_mesh({"dp": n})
+    data = batches(settings, settings.batch * n, 4)
+    rank = dist.get_rank()
+    local = [(x[rank * settings.batch:(rank + 1) * settings.batch], y[rank * settings.batch:(rank + 1) * settings.batch])
+             for x, y in data]
+    rows = []
+    for case in cases:
+        if case in ("zero3_vs_fsdp2", "zero3_vs_fsdp2_narrow"):
+            gpt = NARROW if case.endswith("narrow") else {}
+            step, mods, state, _ = _shardlib(settings, mesh, local, 3, gpt=dict(gpt))
+            ours = _measure(step, mods, state)
+            theirs = _measure(*_torch(settings, "fsdp2", local, **gpt))
+            label = f"zero3 vs FSDP2 ({'24 x 64 narrow' if gpt else settings.size})"
+            rows.append(_row(label, ours, theirs, "<= 1.0", 1.0))
+        elif case == "zero0_vs_ddp":
+            step, mods, state, _ = _shardlib(settings, mesh, local, 0)
+            rows.append(_row("zero0 vs DDP", _measure(step, mods, state), _measure(*_torch(settings, "ddp", local)),
+                             "<= 1.05", 1.05))
+        elif case == "one_rank_vs_plain":  # run by main() on a group of one
+            step, mods, state, _ = _shardlib(settings, mesh, local, 0)
+            rows.append(_row("one rank vs plain PyTorch", _measure(step, mods, state),
+                             _measure(*_torch(settings, "plain", local)), "<= 1.05", 1.05))
+        elif case == "zero3_recompute":
+            rows.append(_recompute_row(settings, mesh, local))
+    return rows if rank == 0 else []
+
+
+def _table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    import json
+    import os
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common_args(p)
+    args = p.parse_args(argv)
+    settings = settings_from_args(args)
+    t0 = time.perf_counter()
+    rows = worker_group(1).run(worker, settings, cases=("one_rank_vs_plain",), timeout=3600)[0]
+    rows += worker_group(2).run(worker, settings, cases=tuple(c for c in CASES if c != "one_rank_vs_plain"),
+                                timeout=3600)[0]
+    table = _table(rows)
+    print(f"== memory ({settings.size} GPT, batch {settings.batch} x {settings.seq}, gloo, "
+          f"wall {time.perf_counter() - t0:.0f} s)\n{table}")
+    result = {"benchmark": "memory", "settings": vars(settings), "torch": torch.__version__, "rows": rows, "table": table}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "memory.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()
