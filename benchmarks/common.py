@@ -296,7 +296,14 @@ def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
     total = [0]
 
     def params() -> set:
-        return {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        out = set()
+        for m in modules:
+            for p in m.parameters():
+                try:
+                    out.add(getattr(p, "_local_tensor", p).untyped_storage().data_ptr())
+                except RuntimeError:  # a ZeRO-3 chunk freed at this point (ShardedAwayError): nothing saved from it
+                    pass
+        return out
 
     def record(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":

@@ -2,13 +2,15 @@
 
 First the summary (:mod:`shardlib.explain_summary`: memory per rank, communication per step,
 bytes per strategy, the largest tensors, one line per repeated block), then the per-parameter
-table (:mod:`shardlib.explain_table`), then the tensor-parallel layers and their collectives.
+table (:mod:`shardlib.explain_table`), the ZeRO chunks with their modules and why that size
+(:mod:`shardlib.explain_chunks`), then the tensor-parallel layers and their collectives.
 A table of more than :data:`~shardlib.explain_table.FOLD_ABOVE` rows prints each repeated block
 once (``model.layers.{0..79} (80x)``, rows relative to it) unless ``full=True``.
 """
 
 from __future__ import annotations
 
+from .explain_chunks import chunk_lines
 from .explain_summary import fit, summary_lines
 from .explain_table import FOLD_ABOVE, HEADER, WIDTH, Block, Row, fold, nested, param_rows, render_table
 from .parallel.tensor_cost import tensor_parallel_collectives
@@ -55,8 +57,8 @@ def explain(plan, tokens: int | None = None, full: bool = False) -> str:
         plan: a :class:`~shardlib.Plan`.
         tokens: tokens per micro-batch per rank; when given, the activation collectives of
             tensor/sequence parallelism are in the communication figures.
-        full: print every parameter's row (and every tensor-parallel layer) even when the
-            table is long; by default a table of more than ``FOLD_ABOVE`` (60) rows folds its
+        full: print every parameter's row (and every tensor-parallel layer and chunk) even
+            when the table is long; by default a table of more than ``FOLD_ABOVE`` (60) rows folds its
             repeated blocks.
 
     Returns:
@@ -76,6 +78,7 @@ def explain(plan, tokens: int | None = None, full: bool = False) -> str:
         lines += fit([f"parameters: {len(rows)} tensors in {shown} rows, each repeated block once "
                       "(explain(full=True) lists every one):"])
     lines += render_table(HEADER, items, WIDTH if folding else None)
+    lines += chunk_lines(plan, full)
     if plan.tp_layers:
         lines += _tensor_parallel_lines(plan, full)
     return "\n".join(lines)

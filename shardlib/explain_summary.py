@@ -187,7 +187,7 @@ def summary_lines(plan, tokens: int | None, items: list) -> list[str]:
         f"at {plan.coords()}",
         f"  zero_stage={plan.zero_stage}" + (" (runs as 0: one data rank)" if stage != plan.zero_stage else "")
         + f" over data axes {plan.data_axes or '()'} (N={plan.data_size}); {len(plan.chunks)} chunks of "
-        f"<= {plan.chunk_size:,} elements",
+        f"<= {plan.chunk_size:,} elements" + (" (searched)" if plan.chunk_search is not None else ""),
         f"parameters: {numel:,} elements in {len(plan.params)} tensors "
         + ("(all trainable)" if trainable == numel else f"({trainable:,} trainable)") + f", {pad:,} padding elements",
     ]

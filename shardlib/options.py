@@ -19,7 +19,7 @@ from .errors import ShardingError
 
 __all__ = ["DATA_AXIS_NAMES", "OPTIONS", "Options", "check_options", "check_model_and_mesh", "check_fused_patterns"]
 
-DEFAULT_CHUNK_SIZE = 1 << 22  # elements per ZeRO chunk (16 MiB of fp32)
+DEFAULT_CHUNK_SIZE = None  # elements per ZeRO chunk; None: searched per model (shardlib.chunking)
 DATA_AXIS_NAMES = ("dp", "fsdp")  # the default data axes (the batch is split along them)
 OPTIONS = frozenset({
     "zero_stage", "data_axes", "chunk_size", "optimizer_states", "broadcast_buffers", "logical_axis_rules",
@@ -34,7 +34,7 @@ class Options:
     """The checked scalar options (the rest are read by the planner where they are used)."""
 
     data_axes: tuple[str, ...]
-    chunk_size: int
+    chunk_size: int | None
     optimizer_states: int
     pp_axis: str | None
     param_dtype: torch.dtype | None
@@ -111,7 +111,7 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
 
     Raises:
         ShardingError: an unknown option name; ``data_axes`` not an axis name or a tuple of them,
-            naming an axis not in the mesh, or one twice; ``chunk_size`` < 1 or not an int;
+            naming an axis not in the mesh, or one twice; ``chunk_size`` < 1 or not an int or None;
             ``optimizer_states`` < 0 or not an int; ``pp_axis`` not in the mesh;
             ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``;
             ``offload_ratio`` not a number in [0, 1]; a flag (``sequence_parallel``,
@@ -156,7 +156,8 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
         offload_ratio = float(offload_ratio)
     return Options(
         data_axes=_check_data_axes(options.get("data_axes"), mesh_shape),
-        chunk_size=_check_int("chunk_size", options.get("chunk_size", DEFAULT_CHUNK_SIZE), 1, "a positive number of elements"),
+        chunk_size=None if options.get("chunk_size") is None else
+        _check_int("chunk_size", options["chunk_size"], 1, "a positive number of elements"),
         optimizer_states=_check_int(
             "optimizer_states", options.get("optimizer_states", 2), 0,
             "a non-negative int (optimizer tensors per parameter element: AdamW 2, SGD with momentum 1)",

@@ -312,6 +312,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
     # the whole model's modules to recompute (a stage's ModuleLists are not the model's); a stage takes its own
     options["activation_checkpointing"] = stage_choice(whole.activation_checkpointing)
+    options["_chunk_units"] = {n: pp.unit for pp in whole.params for n in (pp.name,) + pp.aliases}  # the whole model's blocks
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))

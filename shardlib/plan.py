@@ -5,9 +5,10 @@ every rank, and every user error is raised here, on every rank, before the first
 
 Lowering order (fixed, as torchtitan's ``parallelize``): validate specs against the mesh and
 the tensors; choose each parameter's strategy; pack the parameters managed along the data axes
-into ZeRO chunks (registration order, one chunk per (dtype, trainable) run of at most
-``chunk_size`` elements, padded to a multiple of the data-axis size; ColossalAI Gemini's chunk
-design); then cost the result (model-state bytes per rank, communicated bytes per step).
+into ZeRO chunks (registration order, whole transformer blocks where they fit, one open chunk
+per (dtype, trainable) group of at most ``chunk_size`` elements, searched when not given, padded
+to a multiple of the data-axis size; ColossalAI Gemini's chunk design, :mod:`shardlib.chunking`);
+then cost the result (model-state bytes per rank, communicated bytes per step).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from .lazy import meta_init_rules, missing_rule_error
 from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
-from .plan_items import ChunkPlan, ParamPlan, pack_chunks
-from .parallel.recompute import resolve_activation_checkpointing
+from .chunking import ChunkSearch, param_units, search_chunk_size
+from .plan_items import ChunkPlan, ParamPlan, pack_chunks, plan_entries
+from .parallel.recompute import find_blocks, resolve_activation_checkpointing
 from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
                                     tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
@@ -49,7 +51,7 @@ class Plan:
     mesh_shape: tuple[tuple[str, int], ...]
     zero_stage: int
     data_axes: tuple[str, ...]
-    chunk_size: int
+    chunk_size: int  # the size given, or the one searched (chunk_search says why)
     optimizer_states: int
     broadcast_buffers: bool
     params: tuple[ParamPlan, ...]
@@ -66,6 +68,7 @@ class Plan:
     offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
     activation_checkpointing: tuple[tuple[str, str], ...] = ()  # (module path, "full" | "selective"): recomputed
+    chunk_search: ChunkSearch | None = None  # None: chunk_size was given
     verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
     verify_input: Any = field(compare=False, repr=False, default=None)
     mesh: Any = field(compare=False, repr=False, default=None)
@@ -80,8 +83,11 @@ class Plan:
         """ZeRO chunks of this rank's (tensor-parallel local) parameters.
 
         Registration order; one open chunk per (dtype, trainable, split over a tensor axis) of at
-        most ``chunk_size`` elements (a larger parameter gets its own); padded to a multiple of
-        the data-axis size. Ranks that differ only in data coordinates get identical chunks.
+        most ``chunk_size`` elements holding whole units (transformer blocks, else modules) where
+        they fit, a larger unit split at parameters and a larger parameter alone; a tied
+        parameter alone; padded to a multiple of the data-axis size
+        (:func:`shardlib.chunking.pack`). Ranks that differ only in data coordinates get
+        identical chunks.
         """
         return pack_chunks(self)
 
@@ -253,7 +259,10 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             over the data axes (ZeRO, arXiv 1910.02054). Default 0, or 3 when a spec names a
             data axis.
         data_axes: the mesh axes the batch is split along; default: those named ``dp``/``fsdp``.
-        chunk_size: elements per ZeRO chunk (default 4 Mi); a larger parameter gets its own.
+        chunk_size: elements per ZeRO chunk; a chunk holds whole transformer blocks (else
+            modules) where they fit, and a larger parameter gets its own. Default None: the
+            block-aligned size with the least padding plus largest gathered working set
+            (:func:`shardlib.chunking.search_chunk_size`; ``explain()`` says why).
         optimizer_states: optimizer tensors per parameter element, for the memory figure
             (AdamW 2, SGD with momentum 1); default 2.
         broadcast_buffers: re-broadcast buffers from the data-axis root before every forward
@@ -353,6 +362,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     model and of each stage. Arguments, options and errors as :func:`plan` (less the pipeline
     options)."""
     mesh_shape = dict(mesh.shape)
+    units = options.pop("_chunk_units", None)  # a pipeline stage: the whole model's (plan_pipeline)
     opts = check_options(options, mesh_shape)
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
@@ -430,6 +440,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     )
     sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
+    if units is None:
+        units = param_units((names[0] for names in names_of.values()), find_blocks(model))
 
     param_plans = []
     for key, names in names_of.items():
@@ -451,12 +463,19 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
             tp_axis=axis,
             tp_dim=dim,
             tp_blocks=fused_blocks,
+            unit=units.get(names[0], names[0].rpartition(".")[0]),
         ))
+    search = None
+    if chunk_size is None:
+        data_size = int(np.prod([mesh_shape[a] for a in data_axes], dtype=np.int64))
+        search = search_chunk_size(plan_entries(param_plans, mesh_shape, {a: 0 for a in mesh_shape}), data_size)
+        chunk_size = search.size
     return Plan(
         mesh_shape=tuple(mesh_shape.items()),
         zero_stage=stage,
         data_axes=data_axes,
         chunk_size=chunk_size,
+        chunk_search=search,
         optimizer_states=optimizer_states,
         broadcast_buffers=bool(options.get("broadcast_buffers", False)),
         params=tuple(param_plans),

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .chunking import Entry, pack
 from .spec import PartitionSpec, shard_range
 
-__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks", "pack_chunks"]
+__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks", "pack_chunks", "plan_entries"]
 
 
 def fused_blocks(size: int, fused: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -86,6 +87,8 @@ class ParamPlan:
             ``tp_axis`` separately (a fused projection: GPT-2's ``c_attn`` ``(C, C, C)``, Phi-3's
             ``qkv_proj`` under grouped-query attention ``(H * hd, KV * hd, KV * hd)``); ``()``:
             one block (see :func:`tp_pieces`).
+        unit: the module whose boundary the ZeRO chunks keep (its transformer block, else the
+            module holding it; :mod:`shardlib.chunking`).
     """
 
     name: str
@@ -99,6 +102,7 @@ class ParamPlan:
     tp_axis: str | None = None
     tp_dim: int | None = None
     tp_blocks: tuple[int, ...] = ()
+    unit: str = ""
 
     @property
     def numel(self) -> int:
@@ -139,7 +143,8 @@ class ChunkPlan:
             and the embedding the last, so the chunk would be gathered first in backward, and
             as gathers go in descending chunk order (the same on every rank) with it every
             chunk above; it stays gathered from its forward gather to the end of backward, as
-            FSDP2 keeps the root module's parameters.
+            FSDP2 keeps the root module's parameters. Such a chunk holds that parameter only.
+        units: the modules (:attr:`ParamPlan.unit`) whose parameters the chunk holds, in order.
     """
 
     index: int
@@ -154,6 +159,7 @@ class ChunkPlan:
     compute_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
+    units: tuple[str, ...] = ()
 
     @property
     def shard_numel(self) -> int:
@@ -188,28 +194,14 @@ class ChunkPlan:
 
 def pack_chunks(plan) -> tuple[ChunkPlan, ...]:
     """The ZeRO chunks of ``plan`` on this rank: what :attr:`shardlib.plan.Plan.chunks` returns
-    (registration order, one open chunk per (dtype, trainable, tensor-split) group of at most
-    ``plan.chunk_size`` elements, padded to a multiple of the data-axis size)."""
-    mesh_shape, coords = dict(plan.mesh_shape), plan.coords()
+    (:func:`shardlib.chunking.pack` of the parameters in registration order, at most
+    ``plan.chunk_size`` elements each, whole modules where they fit, a tied parameter alone;
+    padded to a multiple of the data-axis size)."""
     parts = plan.data_size
-    chunks: list[dict] = []
-    open_chunk: dict[tuple, int] = {}
-    for p in plan.params:
-        n = int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64))
-        group = (p.dtype, p.requires_grad, p.tp_axis is not None)
-        idx = open_chunk.get(group)
-        if idx is None or (chunks[idx]["numel"] + n > plan.chunk_size and chunks[idx]["numel"] > 0):
-            idx = len(chunks)
-            chunks.append({"group": group, "params": [], "offsets": [], "numel": 0})
-            open_chunk[group] = idx
-        chunks[idx]["params"].append(p.name)
-        chunks[idx]["offsets"].append(chunks[idx]["numel"])
-        chunks[idx]["numel"] += n
+    chunks = pack(plan_entries(plan.params, dict(plan.mesh_shape), plan.coords()), plan.chunk_size)
 
     def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
         return option if option is not None and dtype.is_floating_point and option != dtype else None
-
-    tied = {p.name for p in plan.params if p.aliases}
 
     return tuple(
         ChunkPlan(index=i, dtype=c["group"][0], requires_grad=c["group"][1], params=tuple(c["params"]),
@@ -217,6 +209,15 @@ def pack_chunks(plan) -> tuple[ChunkPlan, ...]:
                   padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
                   compute_dtype=mixed(c["group"][0], plan.param_dtype),
                   reduce_dtype=mixed(c["group"][0], plan.reduce_dtype),
-                  reshard_after_forward=not tied.intersection(c["params"]))
+                  reshard_after_forward=not c["tied"], units=tuple(c["units"]))
         for i, c in enumerate(chunks)
     )
+
+
+def plan_entries(params, mesh_shape: dict[str, int], coords: dict[str, int]) -> list[Entry]:
+    """``params`` (:class:`ParamPlan`) as :func:`shardlib.chunking.pack` takes them, at mesh
+    ``coords``."""
+    return [Entry(name=p.name, numel=int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64)),
+                  group=(p.dtype, p.requires_grad, p.tp_axis is not None), unit=p.unit, tied=bool(p.aliases),
+                  itemsize=p.dtype.itemsize)
+            for p in params]

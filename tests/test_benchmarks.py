@@ -57,39 +57,42 @@ def test_zero_paper_formula_by_hand():
 
 
 def test_zero_plan_differences_padding_and_kept_chunk():
-    """The plan's deliberate differences from the paper, by hand: on 5 ranks the one chunk of
-    34176 elements is padded by 4 (34180 = 5 * 6836); at stage 3 it holds the tied embedding
-    and stays gathered from forward to backward (no backward all-gather). Paper + items equals
-    the plan's own cost model (:mod:`shardlib.cost`, another code path)."""
+    """The plan's deliberate differences from the paper, by hand: on 5 ranks the tied embedding's
+    chunk of 256 x 32 = 8192 elements is padded by 3 (8195 = 5 * 1639) and the chunk of the rest,
+    25984 elements, by 1 (25985 = 5 * 5197); at stage 3 the embedding's chunk, as small as the
+    tensor, stays gathered from forward to backward (no backward all-gather). Paper + items
+    equals the plan's own cost model (:mod:`shardlib.cost`, another code path)."""
     mesh = AbstractMesh({"dp": 5})
     for stage in range(4):
         plan = shardlib.plan(_tiny(), mesh, zero_stage=stage)
+        assert [(c.numel, c.padded_numel) for c in plan.chunks] == [(8192, 8195), (25984, 25985)]
         items = dict(zero_plan_differences(plan))
         pad = next(b for why, b in items.items() if why.startswith("padding"))
         # 4 padded elements x 4 bytes x (N-1)/N per pass: stage 0 all-reduce (2 passes), 1-2 RS + AG,
-        # 3: one gather (kept) + RS
-        assert pad == Fraction(4 * 4 * 2 * 4, 5)
+        # 3: the embedding's chunk one gather (kept) + RS, the other chunk three passes
+        passes = [(2, 2), (2, 2), (2, 2), (2, 3)][stage]
+        assert pad == Fraction((3 * passes[0] + 1 * passes[1]) * 4 * 4, 5)
         kept = [b for why, b in items.items() if why.startswith("kept gathered")]
-        assert kept == ([-Fraction(PSI * 4 * 4, 5)] if stage == 3 else [])
+        assert kept == ([-Fraction(8192 * 4 * 4, 5)] if stage == 3 else [])  # 4 bytes x (N-1)/N of the tensor
         assert float(zero_paper_bytes(stage, PSI, 5) + sum(items.values())) == pytest.approx(_plan_bytes(plan), rel=1e-12)
 
 
-def test_zero3_at_10m_counts_0872_of_the_paper():
-    """The issue's figure: at 10.8M parameters the plan's ZeRO-3 bytes are 0.872 of 3 psi. The
-    kept chunk, by hand (chunks of 4 Mi elements, filled in parameter order): wte, wpe, blocks 0-1,
-    and of block 2 its ln_1 and q/k/v."""
+def test_zero3_at_10m_counts_0997_of_the_paper():
+    """At 10.8M parameters the plan's ZeRO-3 bytes are 0.997 of 3 psi: the chunk kept gathered
+    from forward to backward holds the tied embedding alone (256 x 384 elements). It was 0.872
+    with 4 Mi-element chunks filled in parameter order (wte, wpe, blocks 0-1 and part of 2 kept)."""
     cfg = Settings(**FULL).gpt_config()
     with torch.device("meta"):
         model = GPT(cfg)
     c = cfg.n_embd  # 384
     block = 2 * 2 * c + 4 * (c * c + c) + (c * 4 * c + 4 * c) + (4 * c * c + c)
     psi = 256 * c + cfg.block_size * c + 2 * c + cfg.n_layer * block
-    kept = 256 * c + cfg.block_size * c + 2 * block + 2 * c + 3 * (c * c + c)
-    assert (model.num_params(), kept) == (psi, 4140672) == (10795008, 4140672)
+    kept = 256 * c
+    assert (model.num_params(), kept) == (psi, 98304) == (10795008, 98304)
     plan = shardlib.plan(model, AbstractMesh({"dp": 2}), zero_stage=3)
     assert zero_plan_differences(plan) == [(zero_plan_differences(plan)[0][0], -Fraction(kept * 4, 2))]
     ratio = (zero_paper_bytes(3, psi, 2) - Fraction(kept * 4, 2)) / zero_paper_bytes(3, psi, 2)
-    assert round(float(ratio), 3) == 0.872 and float(ratio) == pytest.approx(_plan_bytes(plan) / (3 * psi * 4 / 2))
+    assert round(float(ratio), 3) == 0.997 and float(ratio) == pytest.approx(_plan_bytes(plan) / (3 * psi * 4 / 2))
 
 
 def test_megatron_paper_formula_by_hand():
@@ -169,11 +172,12 @@ def test_data_parallel_smoke(tmp_path):
     # the theory column is ZeRO's formula on the model's own 34176 fp32 parameters (N = 2), not the plan's
     zero0, zero3 = summarize(rows[0]), summarize(rows[1])
     assert (zero0["paper_bytes"], zero0["plan_minus_paper"], zero0["bytes_over_paper"]) == (2 * PSI * 4 / 2, 0, 1.0)
-    # regression (issue 15): the chunk kept gathered forward->backward (the one chunk here) is its own
-    # column, and counted / paper shows it: 2 of the 3 passes
-    assert zero3["paper_bytes"] == 3 * PSI * 4 / 2 and zero3["plan_minus_paper"] == -PSI * 4 / 2
-    assert zero3["bytes_over_paper"] == pytest.approx(2 / 3, rel=1e-12)
-    assert "plan - paper -0.065 MB: kept gathered forward->backward" in _columns(rows)
+    # regression (issue 15): the chunk kept gathered forward->backward is its own column, and counted /
+    # paper shows it: the tied embedding's chunk (256 x 32 = 8192 of the 34176 elements, issue 16: as
+    # small as the tensor) skips 1 of its 3 passes
+    assert zero3["paper_bytes"] == 3 * PSI * 4 / 2 and zero3["plan_minus_paper"] == -8192 * 4 / 2
+    assert zero3["bytes_over_paper"] == pytest.approx(1 - 8192 / (3 * PSI), rel=1e-12)
+    assert "plan - paper -0.016 MB: kept gathered forward->backward" in _columns(rows)
     assert all(r["theory"]["unexplained_bytes"] == 0 for r in rows)  # the plan's cost model agrees with the account
     zero3 = rows[1]
     calls = zero3["a"]["ranks"][0]["comm"]["table"]

@@ -116,13 +116,14 @@ def test_norm_gradient_sums_are_one_all_reduce_per_bucket_per_step():
     accum = 2
     for measured, predicted, buckets, summed, records in run_on(4, _summed_step, accum):
         assert len(summed) == 14 and sorted(n for _, names, _ in buckets for n in names) == sorted(summed)
-        # chunk_size 200: chunk 1 holds wpe (128 elements) and blocks.0's ln_1 weight and bias, o_proj.bias and
-        # ln_2.weight (4 x 16, 192 in all); blocks.0.ln_2.bias opens chunk 7 with the other 10 (160 elements)
-        assert [(chunk, len(names), numel) for chunk, names, numel in buckets] == [(7, 10, 160), (1, 4, 64)]
+        # chunk_size 200, chunks following the blocks (shardlib.chunking): each block's 6 replicated
+        # parameters (ln_1, ln_2 weight and bias, o_proj and fc_out biases: 6 x 16) in a chunk of their
+        # own (2 and 11), ln_f's 2 joining block 1's (128 elements); reduced in descending chunk order
+        assert [(chunk, len(names), numel) for chunk, names, numel in buckets] == [(11, 8, 128), (2, 6, 96)]
         assert measured[("tp", "all_reduce")][0] == accum + len(buckets)
         assert measured == predicted, (measured, predicted)
         sums = [i for i, (kind, note) in enumerate(records) if "gradient sums" in note]
-        assert len(sums) == 2 and all(records[i][0] == "all_reduce" for i in sums)
+        assert len(sums) == len(buckets) and all(records[i][0] == "all_reduce" for i in sums)
         assert any("gradient sums" not in note for _, note in records[sums[0] + 1:])  # launched inside the backward
 
 

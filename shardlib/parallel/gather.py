@@ -1,8 +1,8 @@
 """ZeRO-3 parameter gathering: chunks freed after forward and gathered again in backward.
 
 FSDP's scheme (Zhao et al., "PyTorch FSDP", arXiv 2304.11277) over shardlib's flat chunks: a
-module's forward pre-hook gathers the chunks holding its parameters (and prefetches the next
-one); its forward hook frees a chunk once the last module using it in this forward is done
+module's forward pre-hook gathers the chunks holding its parameters and, the first time a
+chunk is reached, prefetches the next one (so at most one chunk ahead, in both directions); its forward hook frees a chunk once the last module using it in this forward is done
 (:meth:`~shardlib.parallel.chunk.Chunk.free_storage`: ``untyped_storage().resize_(0)``, and its
 parameters refuse any use but metadata until it is gathered again), except chunks with
 ``reshard_after_forward`` False (a tied embedding), which stay gathered until the end of
@@ -134,7 +134,7 @@ class ParameterGathering:
         self._fwd_next = max(self._fwd_next, top + 1)
         for c in chunks:
             self._gather(c)  # a chunk freed earlier in this forward (a module called twice)
-        if self._fwd_next < len(self.chunks):  # prefetch the next chunk
+        if self._fwd_next == top + 1 < len(self.chunks):  # prefetch the chunk after this module's, once
             self._gather(self.chunks[self._fwd_next])
             self._fwd_next += 1
         for c in chunks:
@@ -152,14 +152,12 @@ class ParameterGathering:
     def _backward_touch(self, chunk: Chunk) -> None:
         """Gather ``chunk`` (and every chunk above it not yet gathered) in backward order."""
         self._queue_callback()
-        if chunk.gathered:
-            self._wait(chunk)
-            return
-        for i in range(self._bwd_next, chunk.index - 1, -1):
-            self._gather(self.chunks[i])
-        self._bwd_next = min(self._bwd_next, chunk.index - 1)
-        self._gather(chunk)
-        if self._bwd_next >= 0:  # prefetch the next chunk backward
+        if not chunk.gathered:
+            for i in range(self._bwd_next, chunk.index - 1, -1):
+                self._gather(self.chunks[i])
+            self._bwd_next = min(self._bwd_next, chunk.index - 1)
+            self._gather(chunk)
+        if self._bwd_next == chunk.index - 1 >= 0:  # prefetch the chunk below this one, once
             self._gather(self.chunks[self._bwd_next])
             self._bwd_next -= 1
         self._wait(chunk)

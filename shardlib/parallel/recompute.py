@@ -46,11 +46,29 @@ from torch import nn
 
 from ..errors import ShardingError
 
-__all__ = ["MODES", "transformer_blocks", "resolve_activation_checkpointing", "apply_activation_checkpointing",
+__all__ = ["MODES", "find_blocks", "transformer_blocks", "resolve_activation_checkpointing", "apply_activation_checkpointing",
            "recompute_paths"]
 
 MODES = ("full", "selective")
 _SAVED_OPS = ("mm", "addmm")  # selective: kept from forward (the matrix multiplications' outputs)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s transformer blocks as :func:`transformer_blocks` finds them, or
+    ``[]`` when no module qualifies (the chunk packing's module boundaries, which need none)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [f"{path}.{i}" if path else str(i) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                 for i, c in enumerate(m) if type(c).__name__ in names]
+        if found:
+            return found
+    best: list[str] = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best):
+            kinds = {type(c) for c in m}
+            if len(kinds) == 1 and all(any(True for _ in c.parameters()) for c in m):
+                best = [f"{path}.{i}" if path else str(i) for i in range(len(m))]
+    return best
 
 
 def transformer_blocks(model: nn.Module) -> list[str]:
@@ -64,18 +82,7 @@ def transformer_blocks(model: nn.Module) -> list[str]:
     Raises:
         ShardingError: no module qualifies, naming the model and the fix (a callable).
     """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        found = [f"{path}.{i}" if path else str(i) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)
-                 for i, c in enumerate(m) if type(c).__name__ in names]
-        if found:
-            return found
-    best: list[str] = []
-    for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best):
-            kinds = {type(c) for c in m}
-            if len(kinds) == 1 and all(any(True for _ in c.parameters()) for c in m):
-                best = [f"{path}.{i}" if path else str(i) for i in range(len(m))]
+    best = find_blocks(model)
     if not best:
         raise ShardingError(
             f"activation_checkpointing found no transformer blocks in {type(model).__name__}: it has no Hugging Face "
