@@ -45,20 +45,29 @@ NARROW = dict(n_layer=24, n_head=4, n_embd=64)  # the 24-block narrow GPT (1.2M 
 def _peak(step, state_bytes) -> int:
     """Peak bytes over one call of ``step``, the largest over the ranks: the model state alive
     before it (``state_bytes()["total"]``: parameters, gradients, optimizer state) plus the
-    highest running sum of every CPU allocation and free during the call, as
-    ``torch.profiler(profile_memory=True)`` records them per top-level operator (c10's CPU
-    allocator reports each storage allocation, a ZeRO-3 chunk's ``resize_`` included).
-    MemTracker is not used: it reads every tracked parameter's storage at start, which a ZeRO-3
-    parameter between steps refuses (ShardedAwayError), and it does not see ``resize_``."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    highest running sum of every CPU allocation and free during the call, in time order over all
+    threads (the communication threads too), as ``torch.profiler(profile_memory=True)`` records
+    them (c10's CPU allocator reports each one, a ZeRO-3 chunk's ``resize_`` included).
 
-    base = state_bytes()["total"]
+    The profiler drops the free of a block allocated before it started, so the window holds two
+    calls and only the second is measured: what it frees (last step's gradients, activations)
+    was allocated inside the window. MemTracker is not used: it reads every tracked parameter's
+    storage at start, which a ZeRO-3 parameter between steps refuses (ShardedAwayError), and it
+    does not see ``resize_``."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+        with record_function("memory-benchmark-mark"):
+            base = state_bytes()["total"]
+        step()
+    events = prof.profiler.kineto_results.events()
+    mark = next(e.start_ns() for e in events if e.name() == "memory-benchmark-mark")
     run = top = 0
-    for e in sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start):
-        run += e.cpu_memory_usage
+    records = [e for e in events if e.name() == "[memory]" and e.start_ns() > mark]
+    for e in sorted(records, key=lambda e: e.start_ns()):  # every allocation and free, every thread, in time order
+        run += e.nbytes()
         top = max(top, run)
     peak = torch.tensor(base + top, dtype=torch.int64)
     if dist.is_initialized():
@@ -97,7 +106,8 @@ def _torch(settings, kind, data, **gpt):
 def _measure(step, modules, state_bytes) -> dict:
     step(0)  # AdamW's state exists from here on, as in training
     saved = saved_activation_bytes(lambda: step(1), modules)
-    return {"peak": _peak(lambda: step(2), state_bytes), "saved": saved}
+    calls = iter(range(2, 4))
+    return {"peak": _peak(lambda: step(next(calls)), state_bytes), "saved": saved}
 
 
 def _row(name, ours, theirs, target, limit) -> dict:
@@ -128,7 +138,8 @@ def _recompute_row(settings, mesh, data) -> dict:
         step(1)
         gathered = sum(b for (axis, kind), (_, b) in mesh.comm.table().items() if kind == "all_gather")
         sides[mode] = {"step": step, "saved": saved_activation_bytes(lambda: step(2), modules),
-                       "peak": _peak(lambda: step(3), state), "gathered": gathered, "times": []}
+                       "peak": _peak(lambda calls=iter(range(3, 5)): step(next(calls)), state), "gathered": gathered,
+                       "times": []}
     for _ in range(max(1, settings.steps // 3)):
         for mode in (None, "full"):
             sides[mode]["times"] += _timed(sides[mode]["step"], 3)
