@@ -237,3 +237,18 @@ def test_bubble_benchmark_reports_a_missed_target_without_failing(monkeypatch, c
     assert bench.main(["--strict"]) == 1
     rows[0]["max_abs_error"] = 0.01
     assert bench.main(["--strict"]) == 0 and "target <= 0.05: met" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_memory_benchmark_smoke():
+    """benchmarks.memory at the smoke size: ZeRO-3 against FSDP2 and full recompute against none
+    give peaks above the model state, saved bytes for both sides, and the same all-gather bytes
+    with and without recompute (a target the row prints as met or MISS, never a failure here)."""
+    from benchmarks import memory
+
+    rows = run_on(2, memory.worker, SETTINGS, cases=("zero3_vs_fsdp2", "zero3_recompute"))[0]
+    assert [r["comparison"] for r in rows] == [f"zero3 vs FSDP2 ({SETTINGS.size})", "zero3 full recompute vs none"]
+    for r in rows:
+        assert r["shardlib peak MB"] > 0 and r["torch peak MB"] > 0 and r["target"].count(":") >= 1, r
+    assert rows[1]["shardlib saved MB"] < rows[1]["torch saved MB"]  # recompute keeps less for backward
+    assert "vs" in rows[1]["target"] and rows[1]["target"].endswith("met"), rows[1]["target"]  # all-gather bytes equal

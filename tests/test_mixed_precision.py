@@ -118,6 +118,7 @@ def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None,
             state_after = opt.state_dict()["state"]
             skipped_untouched = all(torch.equal(before[k], params[k]) for k in params) and all(
                 torch.equal(v, state_after[i][k]) for i, s in state_before["state"].items() for k, v in s.items())
+        measured = shardlib.model_state_bytes(smodel, opt)  # after the step: stages 2-3 release gradients at zero_grad
         opt.zero_grad()
         norm = None if opt.last_grad_norm is None else opt.last_grad_norm.item()
         records.append({"loss": total.item(), "grads": grads, "params": params, "scale": scale, "opt_steps": steps_taken,
@@ -132,7 +133,7 @@ def _sharded(mesh_shape, specs, batch, steps, seed, options, scaler_kwargs=None,
         "masters": [(c.shard.dtype, c.shard.numel(), c.plan.shard_numel, c.plan.padded_numel, c.trainable)
                     for c in zero.chunks],
         "opt_state": [(v.dtype, v.numel()) for s in opt.state.values() for v in s.values() if v.dim() > 0],
-        "measured": shardlib.model_state_bytes(smodel, opt),
+        "measured": measured,
         "stage": zero.stage,
     }
 

@@ -68,8 +68,8 @@ def _comm_worker(stage, chunk_size):
         smodel(idx, tgt)[1].backward()
         opt.step()
         measured = shardlib.model_state_bytes(smodel, opt)
-        out.append((mesh.comm.table(), mesh.comm.exact_bytes(), measured))
         opt.zero_grad()
+        out.append((mesh.comm.table(), mesh.comm.exact_bytes(), measured, shardlib.model_state_bytes(smodel, opt)))
     return out, smodel.plan
 
 
@@ -78,7 +78,8 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
     """Counted bytes per step equal the plan's prediction and ZeRO's 2Ψ / 3Ψ (N-1)/N up to
     padding, less, under stage 3, the backward gathers of the chunk holding the tied embedding
     (``reshard_after_forward`` False: it stays gathered from forward to backward); measured
-    model-state bytes equal the plan's figures."""
+    model-state bytes equal the plan's figures after the step, less the gradient shards that
+    stages 2-3 release at ``zero_grad``."""
     for stage in (0, 1, 2, 3):
         results = run_on(dp, _comm_worker, stage, 64)
         for rank, (steps, plan) in enumerate(results):
@@ -91,7 +92,7 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
             kept = sum(c.padded_numel for c in resident) if stage == 3 else 0  # not gathered again in backward
             theory = (factor * psi_padded - kept) * 4 * (dp - 1) / dp
             predicted = plan.comm_per_step()
-            for table, exact, measured in steps:
+            for table, exact, measured, after_zero_grad in steps:
                 assert table == predicted, (stage, table, predicted)
                 assert float(exact) == pytest.approx(theory, rel=1e-12), (stage, float(exact), theory)
                 assert abs(float(exact) - (factor * psi - kept) * 4 * (dp - 1) / dp) <= factor * (psi_padded - psi) * 4
@@ -101,6 +102,11 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
                     "optimizer": plan.optimizer_bytes,
                     "total": plan.model_state_bytes,
                 }, (stage, rank, measured)
+                # issue 16: stages 2-3 release their gradient shards at zero_grad (FSDP2's set_to_none);
+                # 0-1 keep the full buffers (the gradient views of stage 0)
+                released = plan.grad_bytes if stage >= 2 else 0
+                assert after_zero_grad == dict(measured, grads=measured["grads"] - released,
+                                               total=measured["total"] - released), (stage, after_zero_grad)
 
 
 def test_memory_formula_per_stage():

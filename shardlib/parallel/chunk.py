@@ -156,7 +156,8 @@ class Chunk:
         # Gradients: ``grad_full`` (P elements, unreduced, in the reduction dtype) and
         # ``grad_shard`` (what the optimizer reads: the full chunk under stage 0, else S).
         # Stages 0-1 keep ``grad_full`` between steps and ``grad_shard`` views it; stages 2-3 (and
-        # a separate reduction dtype) allocate ``grad_full`` per step and keep ``grad_shard`` apart.
+        # a separate reduction dtype) allocate ``grad_full`` per step and keep ``grad_shard`` apart,
+        # released by ``zero_grad`` and allocated again when the next reduction lands.
         self.persistent_full = stage in (0, 1) and not self.separate_grads
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -251,10 +252,28 @@ class Chunk:
             self.grad_full[pos:].zero_()
         self.stale, self.written = False, set()
 
+    def ensure_grad_shard(self) -> torch.Tensor:
+        """``grad_shard``, allocated (uninitialised, logically zero) if :meth:`release_grad_shard`
+        dropped it, and the optimizer's ``opt_param.grad`` pointed at it."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.empty_like(self.shard)
+            self.opt_param.grad = self.grad_shard
+            self.shard_stale = True
+        return self.grad_shard
+
+    def release_grad_shard(self) -> None:
+        """Drop a separate ``grad_shard`` (stages 2-3) between steps: it is logically zero after
+        ``zero_grad``, and its memory is free until the next reduction lands (as FSDP2's sharded
+        gradients are None after ``zero_grad(set_to_none=True)``)."""
+        if not self.persistent_full and self.grad_shard is not None:
+            self.grad_shard = None
+            self.opt_param.grad = None
+        self.shard_stale = True
+
     def settle_shard(self) -> None:
         """Make every gradient the optimizer reads hold its value (zero where none arrived)."""
         if self.persistent_full:
             self.settle_full()
         elif self.shard_stale:
-            self.grad_shard.zero_()
+            self.ensure_grad_shard().zero_()
             self.shard_stale = False

@@ -264,7 +264,7 @@ class ZeroRuntime(ParameterGathering):
             return
         # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
         # it is logically zero and of the same dtype, else into a temporary added afterwards
-        direct = chunk.shard_stale and chunk.grad_shard.dtype == chunk.grad_full.dtype
+        direct = chunk.shard_stale and chunk.ensure_grad_shard().dtype == chunk.grad_full.dtype
         if self.stage == 0:
             out = chunk.grad_full
             chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True,
@@ -391,7 +391,8 @@ class ZeroRuntime(ParameterGathering):
     def zero_grad(self) -> None:
         """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
         marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
-        ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk."""
+        ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk;
+        stages 2-3 release the gradient shards until the next reduction lands."""
         if self._callback_queued:
             self.recover_abandoned_backward()
         self._view_hooks.adopted = []
@@ -403,7 +404,7 @@ class ZeroRuntime(ParameterGathering):
             if chunk.persistent_full:
                 chunk.mark_stale()
             else:
-                chunk.shard_stale = True
+                chunk.release_grad_shard()
                 chunk.grad_full = None
             chunk.carry, chunk.reduced = None, False
             for prm, _ in chunk.params if self._grad_views and not chunk.mixed else ():
