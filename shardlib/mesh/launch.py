@@ -43,14 +43,16 @@ _UNGUARDED = (
 def _context():
     """The start method of the workers: a fork server that imported torch and shardlib once
     (each worker then starts in well under a second instead of importing torch itself, ~3 s for
-    2 ranks and ~6 s for 4 on a 2-core machine), where the platform has one; else spawn.
+    2 ranks and ~6 s for 4 on a 2-core machine) on Linux; spawn elsewhere.
 
     Both run the parent's ``__main__`` again in each worker (so a script must guard its
     ``launch()`` call), and each worker takes the parent's environment as it is at start.
     The server starts inside the ``OMP_NUM_THREADS=1`` window of the first group, so the
-    OpenMP runtime torch loads there has one thread."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
+    OpenMP runtime torch loads there has one thread. It keeps the torch and shardlib it
+    imported for the life of the parent process (a notebook kernel: restart it after editing
+    shardlib itself; the user's own functions travel with each call)."""
+    if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")  # macOS: forking a process that loaded torch is not fork-safe there
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlib"])
     return ctx
