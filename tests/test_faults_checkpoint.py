@@ -268,7 +268,7 @@ def _case(layout, rank, step, finished, refused, fn=None, name=None, what=None, 
 
 CASES = {
     "after save": _case("zero3", 1, 1, ["step_1"], {"step_2": _MISSING.format(name="step_2")},
-                        waits=r"all_gather\(axis 'dp', \(\d+,\) float32, chunk \d+\) at zero\.py"),
+                        waits=r"all_gather\(axis 'dp', \(\d+,\) float32, chunk \d+\) at full_tensors\.py"),
     "save start": _case("zero3", 1, 2, ["step_1"], {"step_2": _MISSING.format(name="step_2")}, "save", "step_2",
                         "checking the paths", r"all_gather_object\(axis 'dp', \(2,\) object, checkpoint\.save: after "
                                               r"checking the paths\)"),

@@ -2,7 +2,8 @@
 
 FSDP's scheme (Zhao et al., "PyTorch FSDP", arXiv 2304.11277) over shardlib's flat chunks: a
 module's forward pre-hook gathers the chunks holding its parameters and, the first time a
-chunk is reached, prefetches the next one (so at most one chunk ahead, in both directions); its forward hook frees a chunk once the last module using it in this forward is done
+chunk is reached, prefetches the next one (at most one chunk ahead, in both directions); its
+forward hook frees a chunk once the last module using it in this forward is done
 (:meth:`~shardlib.parallel.chunk.Chunk.free_storage`: ``untyped_storage().resize_(0)``, and its
 parameters refuse any use but metadata until it is gathered again), except chunks with
 ``reshard_after_forward`` False (a tied embedding), which stay gathered until the end of

@@ -42,6 +42,7 @@ from torch import nn
 from ..mesh.collectives import raw_all_gather, raw_all_reduce, raw_broadcast, raw_reduce_scatter
 from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
+from .full_tensors import FullTensors
 from .gather import ParameterGathering
 from .nested_backward import defer_to_outer_backward
 from .tensor_grads import TensorGradSums
@@ -57,7 +58,7 @@ __all__ = ["ZeroRuntime"]
 _REDUCE = 1
 
 
-class ZeroRuntime(ParameterGathering):
+class ZeroRuntime(ParameterGathering, FullTensors):
     """Installs ZeRO on ``model`` as ``plan`` says; used by ShardedModule and ZeroOptimizer.
 
     Args:
@@ -462,40 +463,6 @@ class ZeroRuntime(ParameterGathering):
         if slot.data_ptr() != chunk.shard.data_ptr():
             slot.copy_(chunk.shard)
         return slot
-
-    # -- full tensors ----------------------------------------------------------------------------
-    def full_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """A full copy of a chunk's (master) parameters (gathers under stage 3, and under stages
-        1-2 with mixed precision, where the master is only this rank's shard)."""
-        if self.stage == 0:
-            return chunk.shard.clone()
-        if self.stage != 3 and chunk.full.dtype == chunk.shard.dtype:
-            return chunk.full.clone()
-        out = chunk.shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.shard, self.mesh, self.axes, note=f"chunk {chunk.index}")
-        return out
-
-    def write_full(self, chunk: Chunk, off: int, flat: torch.Tensor) -> None:
-        """Set the elements ``[off, off + flat.numel())`` of ``chunk`` from full values, in every
-        copy this rank holds (master shard, compute copy); no communication."""
-        lo = chunk.slot.start if self.stage >= 1 else 0
-        hi = lo + chunk.shard.numel()
-        a, b = max(lo, off), min(hi, off + flat.numel())
-        if a < b:
-            chunk.shard[a - lo : b - lo].copy_(flat[a - off : b - off])
-        if self.stage != 3:  # the full parameters (the compute copy under mixed precision)
-            chunk.full[off : off + flat.numel()].copy_(flat)
-
-    def full_grad_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """A full copy of a chunk's averaged gradients (gathers from shards under stages 1-3)."""
-        if self._view_hooks.silenced:
-            self._adopt_silenced()
-        chunk.settle_shard()
-        if self.stage == 0:
-            return chunk.grad_shard.clone()
-        out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes, note=f"chunk {chunk.index} gradients")
-        return out
 
     def remove(self) -> None:
         for h in self._hooks:
