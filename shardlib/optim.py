@@ -253,9 +253,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients (the flat buffers are reused and zeroed lazily; ``set_to_none`` is
-        ignored). Same as ``smodel.zero_grad()``."""
-        self._zero.zero_grad()
+        """Zero the gradients: ``set_to_none`` (the default, as torch's) releases the flat
+        gradient buffers until the next backward; False keeps them and zeroes them lazily.
+        Same as ``smodel.zero_grad()``."""
+        self._zero.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

@@ -164,9 +164,9 @@ class Plan:
     @property
     def grad_bytes(self) -> int:
         """Bytes of gradients stored per rank between backward and step (in the master dtype;
-        with a ``reduce_dtype`` other than the master's, stage 1 keeps only its shard). Stages
-        2-3 release their shards at ``zero_grad`` (as FSDP2 with ``set_to_none``); stages 0-1
-        keep theirs."""
+        with a ``reduce_dtype`` other than the master's, stage 1 keeps only its shard). Every
+        stage releases them at ``zero_grad`` (with ``set_to_none``, the default, as plain
+        PyTorch and FSDP2)."""
         stage = self.effective_stage
         total = 0
         for c in self.chunks:

@@ -129,13 +129,15 @@ class ShardedModule(nn.Module):
         return load_full_state_dict(self, state_dict, strict=strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero every gradient: the flat ZeRO gradient buffers (lazily, no memset) and, under
-        stage 0, the parameters' ``.grad`` (set to None until the next backward). Same as
-        :meth:`ZeroOptimizer.zero_grad`; ``set_to_none`` is accepted for torch's signature.
+        """Zero every gradient: the flat ZeRO gradient buffers and, under stage 0, the
+        parameters' ``.grad`` (set to None until the next backward). With ``set_to_none`` (the
+        default, as torch's) the buffers' memory is released until the next backward allocates
+        them; with False it is kept and zeroed lazily (no memset). Same as
+        :meth:`ZeroOptimizer.zero_grad`.
 
         Under stages 1-3 the parameters' ``.grad`` stays None, so ``zero_grad()`` of the wrapped
         module cannot see the buffers: call this method or the optimizer's."""
-        self._zero.zero_grad()
+        self._zero.zero_grad(set_to_none)
 
     @property
     def model_name(self) -> str:

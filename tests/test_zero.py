@@ -63,13 +63,14 @@ def _comm_worker(stage, chunk_size):
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
     idx, tgt = _batch(37, 2, 5, mesh.rank)
     out = []
-    for _ in range(2):
+    for set_to_none in (True, False, True):
         mesh.comm.reset()
         smodel(idx, tgt)[1].backward()
         opt.step()
         measured = shardlib.model_state_bytes(smodel, opt)
-        opt.zero_grad()
-        out.append((mesh.comm.table(), mesh.comm.exact_bytes(), measured, shardlib.model_state_bytes(smodel, opt)))
+        opt.zero_grad(set_to_none=set_to_none)
+        out.append((mesh.comm.table(), mesh.comm.exact_bytes(), measured, shardlib.model_state_bytes(smodel, opt),
+                    set_to_none))
     return out, smodel.plan
 
 
@@ -78,8 +79,8 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
     """Counted bytes per step equal the plan's prediction and ZeRO's 2Ψ / 3Ψ (N-1)/N up to
     padding, less, under stage 3, the backward gathers of the chunk holding the tied embedding
     (``reshard_after_forward`` False: it stays gathered from forward to backward); measured
-    model-state bytes equal the plan's figures after the step, less the gradient shards that
-    stages 2-3 release at ``zero_grad``."""
+    model-state bytes equal the plan's figures after the step; ``zero_grad()`` releases every
+    gradient buffer, ``zero_grad(set_to_none=False)`` keeps them."""
     for stage in (0, 1, 2, 3):
         results = run_on(dp, _comm_worker, stage, 64)
         for rank, (steps, plan) in enumerate(results):
@@ -92,7 +93,7 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
             kept = sum(c.padded_numel for c in resident) if stage == 3 else 0  # not gathered again in backward
             theory = (factor * psi_padded - kept) * 4 * (dp - 1) / dp
             predicted = plan.comm_per_step()
-            for table, exact, measured, after_zero_grad in steps:
+            for table, exact, measured, after_zero_grad, set_to_none in steps:
                 assert table == predicted, (stage, table, predicted)
                 assert float(exact) == pytest.approx(theory, rel=1e-12), (stage, float(exact), theory)
                 assert abs(float(exact) - (factor * psi - kept) * 4 * (dp - 1) / dp) <= factor * (psi_padded - psi) * 4
@@ -102,9 +103,8 @@ def test_communication_and_memory_equal_theory_and_plan(dp):
                     "optimizer": plan.optimizer_bytes,
                     "total": plan.model_state_bytes,
                 }, (stage, rank, measured)
-                # issue 16: stages 2-3 release their gradient shards at zero_grad (FSDP2's set_to_none);
-                # 0-1 keep the full buffers (the gradient views of stage 0)
-                released = plan.grad_bytes if stage >= 2 else 0
+                # issue 16: every stage releases its gradient buffers at zero_grad (torch's set_to_none)
+                released = plan.grad_bytes if set_to_none else 0
                 assert after_zero_grad == dict(measured, grads=measured["grads"] - released,
                                                total=measured["total"] - released), (stage, after_zero_grad)
 
@@ -178,7 +178,8 @@ def _zero_grad_worker(stage, how):
         opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.0)
         if zeroed:
             smodel(xa, True).backward()
-            {"optimizer": opt.zero_grad, "sharded module": smodel.zero_grad, "inner module": model.zero_grad}[how]()
+            {"optimizer": opt.zero_grad, "sharded module": smodel.zero_grad, "inner module": model.zero_grad,
+             "kept buffers": lambda: opt.zero_grad(set_to_none=False)}[how]()
             if stage == 0 and how != "inner module":
                 assert all(p.grad is None for p in model.parameters())  # torch's set_to_none
         smodel(xb, False).backward()
@@ -188,11 +189,12 @@ def _zero_grad_worker(stage, how):
     return out
 
 
-@pytest.mark.parametrize("stage,how", [(s, h) for s in range(4) for h in ("optimizer", "sharded module")]
+@pytest.mark.parametrize("stage,how", [(s, h) for s in range(4) for h in ("optimizer", "sharded module", "kept buffers")]
                          + [(0, "inner module")])
 def test_zero_grad_then_backward_with_an_unused_parameter(stage, how):
-    """zero_grad is lazy (buffers marked stale, first gradients copied in, untouched regions
-    zeroed before the reduction): the gradients after it equal a fresh run's, and the unused
+    """zero_grad releases the buffers, or with ``set_to_none=False`` ("kept buffers") marks them
+    stale; either way first gradients are copied in and untouched regions zeroed before the
+    reduction: the gradients after it equal a fresh run's, and the unused
     ``b`` has a zero gradient, not backward A's. ``smodel.zero_grad()`` used to leave the flat
     buffers untouched (gradients doubled); under stage 0 the wrapped module's own
     ``zero_grad()`` (``.grad`` set to None) works too."""

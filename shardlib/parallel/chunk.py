@@ -5,12 +5,14 @@ parameters, a multiple of the data-axis size ``N``); rank ``i`` owns the shard
 ``[i * S, (i + 1) * S)``, ``S = P / N``. See :mod:`shardlib.parallel.zero` for what each ZeRO
 stage keeps.
 
-Gradient buffers are zeroed lazily. ``zero_grad`` only marks them *stale* (logically zero); the
-first gradient of each parameter after that is copied into its region instead of added, and
-just before a buffer is reduced or read (:meth:`Chunk.settle_full`, :meth:`Chunk.settle_shard`)
-only the regions no gradient reached (unused parameters, padding) are zeroed. This saves a
-memset of every buffer per step and turns the first accumulation's read-add-write into a copy,
-as torch's ``AccumulateGrad`` steals the first gradient of a parameter whose ``.grad`` is None.
+Gradient buffers are allocated at the first gradient after ``zero_grad`` (which releases them,
+or with ``set_to_none=False`` only marks them *stale*) and zeroed lazily: a new buffer is stale
+(logically zero) too. The first gradient of each parameter in a stale buffer is copied into its
+region instead of added, and just before a buffer is reduced or read (:meth:`Chunk.settle_full`,
+:meth:`Chunk.settle_shard`) only the regions no gradient reached (unused parameters, padding)
+are zeroed. This saves a memset of every buffer per step and turns the first accumulation's
+read-add-write into a copy, as torch's ``AccumulateGrad`` steals the first gradient of a
+parameter whose ``.grad`` is None.
 
 Freed storage (ZeRO-3). :meth:`Chunk.free_storage` releases the full buffer
 (``untyped_storage().resize_(0)``, FSDP's way); the parameters that view it keep their shape but
@@ -154,25 +156,24 @@ class Chunk:
         if stage == 3:
             self.full.untyped_storage().resize_(0)  # never filled: gathered before its first use
         # Gradients: ``grad_full`` (P elements, unreduced, in the reduction dtype) and
-        # ``grad_shard`` (what the optimizer reads: the full chunk under stage 0, else S).
-        # Stages 0-1 keep ``grad_full`` between steps and ``grad_shard`` views it; stages 2-3 (and
-        # a separate reduction dtype) allocate ``grad_full`` per step and keep ``grad_shard`` apart,
-        # released by ``zero_grad`` and allocated again when the next reduction lands.
+        # ``grad_shard`` (what the optimizer reads: the full chunk under stage 0, else S). Stages
+        # 0-1 in one dtype (``persistent_full``) reduce in place, so ``grad_shard`` views
+        # ``grad_full`` and both live from the first gradient to ``zero_grad``; stages 2-3 (and a
+        # separate reduction dtype) allocate ``grad_full`` per backward and keep ``grad_shard``
+        # apart. None is allocated before the first gradient, and ``zero_grad`` (set_to_none,
+        # torch's default) releases them all (:meth:`release_grads`), as plain PyTorch frees its
+        # ``.grad`` and FSDP2 its sharded gradients.
+        self.stage = stage
         self.persistent_full = stage in (0, 1) and not self.separate_grads
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self.grad_views: dict[int, torch.Tensor] = {}  # stage 0: id(prm) -> its ``.grad`` view of grad_full
         self.opt_param: nn.Parameter | None = None
         self.stale = True  # grad_full is logically zero outside the regions in ``written``
         self.written: set[int] = set()  # ids of parameters whose region holds this window's gradient
-        self.shard_stale = False  # grad_shard (separate storage) is logically zero
+        self.shard_stale = True  # grad_shard (separate storage, or None) is logically zero
         if self.trainable:
-            if self.persistent_full:
-                self.grad_full = self.new_grad_full()
-                self.grad_shard = self.grad_full if stage == 0 else self.grad_full[slot]
-            else:
-                self.grad_shard = torch.zeros_like(self.shard)
             self.opt_param = nn.Parameter(self.shard, requires_grad=True)
-            self.opt_param.grad = self.grad_shard
         self.gathered = True
         self.gather_handle = None
         self.reduce_handle = None
@@ -219,9 +220,23 @@ class Chunk:
         return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
 
     def ensure_grad_full(self) -> torch.Tensor:
+        """``grad_full``, allocated (stale) if absent; for ``persistent_full`` the optimizer's
+        ``grad_shard`` is its view (stage 0: all of it, stage 1: this rank's slot)."""
         if self.grad_full is None:
             self.grad_full = self.new_grad_full()
+            if self.persistent_full:
+                self.grad_shard = self.grad_full if self.stage == 0 else self.grad_full[self.slot]
+                self.opt_param.grad = self.grad_shard
         return self.grad_full
+
+    def grad_view(self, prm: nn.Parameter, off: int) -> torch.Tensor:
+        """Stage 0: ``prm``'s gradient as a view of ``grad_full`` (the same tensor until
+        :meth:`release_grads`), allocating the buffer if absent."""
+        view = self.grad_views.get(id(prm))
+        if view is None:
+            view = self.ensure_grad_full()[off : off + prm.numel()].view(prm.shape)
+            self.grad_views[id(prm)] = view
+        return view
 
     def accumulate(self, prm: nn.Parameter, off: int, grad: torch.Tensor) -> None:
         """Add the flat gradient ``grad`` of ``prm`` (at element ``off``) into ``grad_full``:
@@ -253,26 +268,32 @@ class Chunk:
         self.stale, self.written = False, set()
 
     def ensure_grad_shard(self) -> torch.Tensor:
-        """``grad_shard``, allocated (uninitialised, logically zero) if :meth:`release_grad_shard`
+        """``grad_shard``, allocated (uninitialised, logically zero) if :meth:`release_grads`
         dropped it, and the optimizer's ``opt_param.grad`` pointed at it."""
-        if self.grad_shard is None:
+        if self.persistent_full:
+            self.ensure_grad_full()
+        elif self.grad_shard is None:
             self.grad_shard = torch.empty_like(self.shard)
             self.opt_param.grad = self.grad_shard
             self.shard_stale = True
         return self.grad_shard
 
-    def release_grad_shard(self) -> None:
-        """Drop a separate ``grad_shard`` (stages 2-3) between steps: it is logically zero after
-        ``zero_grad``, and its memory is free until the next reduction lands (as FSDP2's sharded
-        gradients are None after ``zero_grad(set_to_none=True)``)."""
-        if not self.persistent_full and self.grad_shard is not None:
-            self.grad_shard = None
+    def release_grads(self) -> None:
+        """Drop every gradient buffer of the chunk (``zero_grad`` with ``set_to_none``): they are
+        logically zero, and their memory is free until the next gradient or reduction lands (as
+        plain PyTorch's ``.grad`` and FSDP2's sharded gradients are None after
+        ``zero_grad(set_to_none=True)``). The caller sets the parameters' ``.grad`` to None."""
+        self.grad_full = self.grad_shard = None
+        self.grad_views = {}
+        if self.opt_param is not None:
             self.opt_param.grad = None
+        self.mark_stale()
         self.shard_stale = True
 
     def settle_shard(self) -> None:
         """Make every gradient the optimizer reads hold its value (zero where none arrived)."""
         if self.persistent_full:
+            self.ensure_grad_full()
             self.settle_full()
         elif self.shard_stale:
             self.ensure_grad_shard().zero_()

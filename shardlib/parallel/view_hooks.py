@@ -16,7 +16,34 @@ from torch import nn
 
 from ..mesh.eager import eager
 
-__all__ = ["ViewHooks"]
+__all__ = ["GradViews", "ViewHooks"]
+
+
+class GradViews:
+    """Stage 0's ``{id(prm): view}``: each such parameter's ``.grad`` as a view into its chunk's
+    gradient buffer (:meth:`~.chunk.Chunk.grad_view`). The buffer is released at ``zero_grad``
+    and allocated again by the first gradient after it, so a view is looked up, never kept:
+    ``views[id(prm)]`` and ``views.get(id(prm))`` allocate the buffer if it is absent; which
+    parameters have a view (``in``, ``len``) never changes."""
+
+    def __init__(self):
+        self._where: dict[int, tuple] = {}  # id(prm) -> (chunk, prm, element offset)
+
+    def add(self, chunk, prm: nn.Parameter, off: int) -> None:
+        self._where[id(prm)] = (chunk, prm, off)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, key: int):
+        chunk, prm, off = self._where[key]
+        return chunk.grad_view(prm, off)
+
+    def get(self, key: int):
+        return self[key] if key in self._where else None
 
 
 class ViewHooks:
@@ -24,14 +51,14 @@ class ViewHooks:
 
     Args:
         on_ready: the hook, ``on_ready(prm)``.
-        views: ``{id(prm): view}``, each parameter's view into its chunk's gradients.
+        views: the :class:`GradViews`, each parameter's view into its chunk's gradients.
 
     Attributes:
         adopted: parameters adopted in the running no_sync() backward (hooks to remove at its end).
         silenced: parameters whose hook is removed until :meth:`resume`.
     """
 
-    def __init__(self, on_ready: Callable, views: dict):
+    def __init__(self, on_ready: Callable, views: GradViews):
         self._on_ready, self._views = on_ready, views
         self._handles: dict[int, object] = {}  # id(prm) -> hook handle, while registered
         self.adopted: list[nn.Parameter] = []

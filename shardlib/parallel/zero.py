@@ -5,7 +5,8 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 order, into flat chunks padded to a multiple of the data-axis size ``N``; a chunk is the unit of
 every collective, and rank ``i`` owns elements ``[i * S, (i + 1) * S)`` of each (``S = P / N``).
 
-Per rank, between steps (``P`` = padded elements of a chunk):
+Per rank, from backward to the optimizer step (``P`` = padded elements of a chunk; ``zero_grad``
+releases the gradients until the next backward):
 
 =======  ==================  =====================  ==========================================
 stage    parameters           gradients              communication per step
@@ -22,10 +23,11 @@ rank's shard (stages 1-3), so optimizer state is sharded from stage 1.
 
 Mechanics. Model parameters stay the user's ``nn.Parameter`` objects, with ``.data`` pointing into
 their chunk's flat buffer. Gradients arrive through ``register_post_accumulate_grad_hook`` and are
-copied (first gradient after ``zero_grad``, which only marks buffers stale) or added into the
-chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0 ``prm.grad`` then becomes a
-view of it, as with DDP's ``gradient_as_bucket_view`` (inside ``no_sync()`` its hook is then removed
-until sync resumes: autograd adds into the view itself); a chunk is reduced once all its trainable
+copied (first gradient after ``zero_grad``, which releases the buffers or marks them stale) or
+added into the chunk's gradient buffer (:mod:`shardlib.parallel.chunk`); under stage 0
+``prm.grad`` then becomes a view of it, as with DDP's ``gradient_as_bucket_view`` (inside
+``no_sync()`` its hook is then removed until sync resumes: autograd adds into the view itself);
+a chunk is reduced once all its trainable
 parameters have their gradient, in a fixed order (descending chunk index) so every rank issues the
 same collectives in the same order, as DDP's buckets do. Stage 3 frees a chunk's storage
 (``untyped_storage().resize_(0)``, FSDP's way) after the forward of the last module using it and
@@ -46,7 +48,7 @@ from .full_tensors import FullTensors
 from .gather import ParameterGathering
 from .nested_backward import defer_to_outer_backward
 from .tensor_grads import TensorGradSums
-from .view_hooks import ViewHooks
+from .view_hooks import GradViews, ViewHooks
 
 __all__ = ["ZeroRuntime"]
 
@@ -109,11 +111,11 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         # from their per-parameter hooks and summed in buckets, in the reduction dtype (tensor_grads)
         self._tp_sums = TensorGradSums.take_over(self.chunks, mesh)
         # stage 0 (one dtype): each parameter's gradient is a view into its chunk's gradient buffer
-        self._grad_views: dict[int, torch.Tensor] = {}
+        self._grad_views = GradViews()
         for chunk in self.chunks if self.stage == 0 else ():
             for prm, off in chunk.params if chunk.trainable and not chunk.mixed else ():
                 if prm not in self._tp_sums:  # (their gradient goes to the bucket, the sum into the chunk)
-                    self._grad_views[id(prm)] = chunk.grad_full[off : off + prm.numel()].view(prm.shape)
+                    self._grad_views.add(chunk, prm, off)
         self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
         self._next_reduce = 0
         self._callback_queued = False
@@ -389,11 +391,13 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         a, b = max(lo, off), min(hi, off + prm.numel())
         return chunk.grad_shard[a - lo : max(a, b) - lo]
 
-    def zero_grad(self) -> None:
-        """Make every gradient zero, lazily (see :mod:`shardlib.parallel.chunk`): buffers are
-        marked stale, not written; stage 0 sets the parameters' ``.grad`` to None (as torch's
-        ``zero_grad(set_to_none=True)``) until the next backward points them into the chunk;
-        stages 2-3 release the gradient shards until the next reduction lands."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Make every gradient zero. ``set_to_none`` (torch's default): the chunks' gradient
+        buffers are released (:meth:`Chunk.release_grads`) and allocated again when the next
+        gradient or reduction lands, as plain PyTorch frees ``.grad``; False: they are kept and
+        marked stale (zeroed lazily, see :mod:`shardlib.parallel.chunk`). Stage 0 sets the
+        parameters' ``.grad`` to None either way, until the next backward points them into the
+        chunk (as torch's ``zero_grad`` with ``set_to_none``)."""
         if self._callback_queued:
             self.recover_abandoned_backward()
         self._view_hooks.adopted = []
@@ -402,14 +406,14 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         for chunk in self.chunks:
             if not chunk.trainable:
                 continue
-            if chunk.persistent_full:
-                chunk.mark_stale()
-            else:
-                chunk.release_grad_shard()
-                chunk.grad_full = None
-            chunk.carry, chunk.reduced = None, False
             for prm, _ in chunk.params if self._grad_views and not chunk.mixed else ():
                 prm.grad = None
+            if set_to_none:
+                chunk.release_grads()
+            else:
+                chunk.mark_stale()
+                chunk.shard_stale = True
+            chunk.carry, chunk.reduced = None, False
         self._tp_sums.zero_grad()
         self.unsynced = False  # gradients accumulated under no_sync() are gone: step() may run
 
