@@ -157,14 +157,14 @@ class Chunk:
             self.full.untyped_storage().resize_(0)  # never filled: gathered before its first use
         # Gradients: ``grad_full`` (P elements, unreduced, in the reduction dtype) and
         # ``grad_shard`` (what the optimizer reads: the full chunk under stage 0, else S). Stages
-        # 0-1 in one dtype (``persistent_full``) reduce in place, so ``grad_shard`` views
+        # 0-1 in one dtype (``reduce_in_place``) reduce in place, so ``grad_shard`` views
         # ``grad_full`` and both live from the first gradient to ``zero_grad``; stages 2-3 (and a
         # separate reduction dtype) allocate ``grad_full`` per backward and keep ``grad_shard``
         # apart. None is allocated before the first gradient, and ``zero_grad`` (set_to_none,
         # torch's default) releases them all (:meth:`release_grads`), as plain PyTorch frees its
         # ``.grad`` and FSDP2 its sharded gradients.
         self.stage = stage
-        self.persistent_full = stage in (0, 1) and not self.separate_grads
+        self.reduce_in_place = stage in (0, 1) and not self.separate_grads
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_views: dict[int, torch.Tensor] = {}  # stage 0: id(prm) -> its ``.grad`` view of grad_full
@@ -220,11 +220,11 @@ class Chunk:
         return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
 
     def ensure_grad_full(self) -> torch.Tensor:
-        """``grad_full``, allocated (stale) if absent; for ``persistent_full`` the optimizer's
+        """``grad_full``, allocated (stale) if absent; for ``reduce_in_place`` the optimizer's
         ``grad_shard`` is its view (stage 0: all of it, stage 1: this rank's slot)."""
         if self.grad_full is None:
             self.grad_full = self.new_grad_full()
-            if self.persistent_full:
+            if self.reduce_in_place:
                 self.grad_shard = self.grad_full if self.stage == 0 else self.grad_full[self.slot]
                 self.opt_param.grad = self.grad_shard
         return self.grad_full
@@ -270,7 +270,7 @@ class Chunk:
     def ensure_grad_shard(self) -> torch.Tensor:
         """``grad_shard``, allocated (uninitialised, logically zero) if :meth:`release_grads`
         dropped it, and the optimizer's ``opt_param.grad`` pointed at it."""
-        if self.persistent_full:
+        if self.reduce_in_place:
             self.ensure_grad_full()
         elif self.grad_shard is None:
             self.grad_shard = torch.empty_like(self.shard)
@@ -292,7 +292,7 @@ class Chunk:
 
     def settle_shard(self) -> None:
         """Make every gradient the optimizer reads hold its value (zero where none arrived)."""
-        if self.persistent_full:
+        if self.reduce_in_place:
             self.ensure_grad_full()
             self.settle_full()
         elif self.shard_stale:

@@ -256,7 +256,7 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         chunk.ensure_grad_full()
         self._tp_sums.flush(chunk)
         chunk.settle_full()
-        if chunk.persistent_full:  # stage 0: all-reduce in place; stage 1: into the own slot
+        if chunk.reduce_in_place:  # stage 0: all-reduce in place; stage 1: into the own slot
             if self.stage == 0:
                 chunk.reduce_handle = raw_all_reduce(chunk.grad_full, self.mesh, self.axes, op="avg", async_op=True,
                                                      channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
@@ -283,7 +283,7 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             return
         chunk.reduce_handle.wait()
         chunk.reduce_handle = None
-        if chunk.persistent_full:
+        if chunk.reduce_in_place:
             for prm, _ in chunk.params if self._grad_views else ():  # stage 0: every .grad is its reduced gradient
                 view = self._grad_views.get(id(prm))
                 if view is not None and prm.grad is not view:
