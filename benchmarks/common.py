@@ -287,13 +287,29 @@ def torch_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     return out
 
 
-def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
+def saved_activation_bytes(step: Callable[[], Any], modules: list, blocks: list | None = None):
     """Bytes of the distinct storages autograd saves for backward during ``step`` (one forward
     and backward), parameters left out: the activation memory a step holds at the end of its
     forward. Counted by ``saved_tensors_hooks``; a shardlib ZeRO-3 module installs its own hooks
-    inside the forward, so its ``pack`` is wrapped to see the same tensors."""
+    inside the forward, so its ``pack`` is wrapped to see the same tensors.
+
+    With ``blocks`` (modules, e.g. the transformer blocks), returns ``(inside, outside)``: the
+    bytes saved while one of them runs its forward (outside backward) and the rest."""
     seen: set = set()
     total = [0]
+    split = [0, 0]  # inside, outside
+    depth = [0]
+    hooks = []
+    for b in blocks or ():
+        def pre(mod, args, b=b):
+            if torch._C._current_graph_task_id() == -1:
+                depth[0] += 1
+
+        def post(mod, args, out):
+            if torch._C._current_graph_task_id() == -1:
+                depth[0] -= 1
+
+        hooks += [b.register_forward_pre_hook(pre), b.register_forward_hook(post)]
 
     def params() -> set:
         out = set()
@@ -312,6 +328,7 @@ def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
             if st.nbytes() and ptr not in seen and ptr not in params():
                 seen.add(ptr)
                 total[0] += st.nbytes()
+                split[0 if depth[0] > 0 else 1] += st.nbytes()
         return t
 
     patched = []
@@ -327,7 +344,10 @@ def saved_activation_bytes(step: Callable[[], Any], modules: list) -> int:
     finally:
         for zero in patched:
             del zero.pack
-    return total[0]
+        for h in hooks:
+            h.remove()
+    return (split[0], split[1]) if blocks is not None else total[0]
+
 
 
 def activation_bytes(step: Callable[[], Any], modules: list, optimizers: list, memtracker: bool = True) -> dict:

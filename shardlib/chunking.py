@@ -28,8 +28,12 @@ from typing import Any, Iterable
 __all__ = ["MIN_SEARCHED_CHUNK", "ChunkSearch", "Entry", "param_units", "pack", "gathered_peak", "search_chunk_size"]
 
 # The smallest chunk the search proposes, in elements (1 MiB of fp32), unless the whole model is
-# smaller: below it an all-gather is latency-bound (NCCL's fixed cost of ~10-20 us per collective
-# against ~40 us to move 1 MiB at 25 GB/s), so smaller chunks buy memory with time.
+# smaller (then it is one chunk) or one transformer block is: below it an all-gather is latency-bound (NCCL's fixed cost of
+# ~10-20 us per collective against ~40 us to move 1 MiB at 25 GB/s), so smaller chunks buy memory
+# with time. A block smaller than this is the floor instead: one block per chunk is FSDP2's
+# per-block ``fully_shard`` (the granularity its users pick), and a chunk of several small blocks
+# gathers more than FSDP2 holds on the same model (24-block 64-wide GPT, dp=2: 5 blocks a chunk
+# peaked at 59.2 MB per rank against FSDP2's 57.9, one block a chunk at 57.7; benchmarks.memory).
 MIN_SEARCHED_CHUNK = 1 << 18
 _MAX_CANDIDATES = 64  # sizes evaluated (geometrically spaced when there are more)
 
@@ -161,7 +165,7 @@ def gathered_peak(chunks: list[dict], parts: int, units: list[str]) -> int:
     return peak
 
 
-def _candidates(entries: list[Entry]) -> tuple[list[int], int, int]:
+def _candidates(entries: list[Entry], blocks: frozenset = frozenset()) -> tuple[list[int], int, int]:
     units: dict[tuple, dict[str, int]] = {}  # group -> unit -> elements, in order
     for e in entries:
         if not e.tied:
@@ -171,7 +175,10 @@ def _candidates(entries: list[Entry]) -> tuple[list[int], int, int]:
         return [MIN_SEARCHED_CHUNK], MIN_SEARCHED_CHUNK, MIN_SEARCHED_CHUNK
     largest_unit = max(n for g in units.values() for n in g.values())
     high = max(sum(g.values()) for g in units.values())
-    low = max(largest_unit, min(MIN_SEARCHED_CHUNK, high))
+    # the floor: the whole model when it is below MIN_SEARCHED_CHUNK (one collective), else the
+    # smaller of MIN_SEARCHED_CHUNK and the largest transformer block
+    block = max((n for g in units.values() for u, n in g.items() if u in blocks), default=MIN_SEARCHED_CHUNK)
+    low = high if high <= MIN_SEARCHED_CHUNK else max(largest_unit, min(MIN_SEARCHED_CHUNK, block))
     sums = {low, high}
     for g in units.values():
         sizes = list(g.values())
@@ -195,13 +202,14 @@ def _candidates(entries: list[Entry]) -> tuple[list[int], int, int]:
     return cands, low, high
 
 
-def search_chunk_size(entries: list[Entry], parts: int) -> ChunkSearch:
+def search_chunk_size(entries: list[Entry], parts: int, blocks: Iterable[str] = ()) -> ChunkSearch:
     """The block-aligned chunk size for ``entries`` (:func:`pack`) over ``parts`` data ranks
     minimizing padding bytes plus :func:`gathered_peak`; the larger size (fewer collectives) on
     a tie. Candidates are the sums of runs of consecutive units of one group, at least the
-    largest unit (a unit is never split) and :data:`MIN_SEARCHED_CHUNK` (or the whole model,
-    if smaller). Deterministic: every rank computes the same from the same plan."""
-    cands, low, high = _candidates(entries)
+    largest unit (a unit is never split) and :data:`MIN_SEARCHED_CHUNK`, or the largest
+    transformer block if smaller (``blocks``: the units that are blocks, see
+    :data:`MIN_SEARCHED_CHUNK`); a model smaller than :data:`MIN_SEARCHED_CHUNK` is one chunk. Deterministic: every rank computes the same from the same plan."""
+    cands, low, high = _candidates(entries, frozenset(blocks))
     units = [e.unit for e in entries]
     best: tuple[Any, ...] | None = None
     for size in cands:

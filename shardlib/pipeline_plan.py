@@ -35,7 +35,7 @@ from .lowering import lower
 from .mesh.mesh import AbstractMesh
 from .models.hf import is_hf_model
 from .parallel.pipeline import Stage, partition
-from .parallel.recompute import stage_choice
+from .parallel.recompute import find_blocks, stage_choice
 from .parallel.schedules import Simulation, bubble_fraction, build_schedule, simulate
 from .state_names import model_state_names
 
@@ -312,7 +312,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     options["sequence_parallel"] = False  # the whole model's layout, restricted to each stage below
     # the whole model's modules to recompute (a stage's ModuleLists are not the model's); a stage takes its own
     options["activation_checkpointing"] = stage_choice(whole.activation_checkpointing)
-    options["_chunk_units"] = {n: pp.unit for pp in whole.params for n in (pp.name,) + pp.aliases}  # the whole model's blocks
+    options["_chunk_units"] = ({n: pp.unit for pp in whole.params for n in (pp.name,) + pp.aliases},  # the whole model's blocks
+                               find_blocks(model))
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))

@@ -364,7 +364,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     model and of each stage. Arguments, options and errors as :func:`plan` (less the pipeline
     options)."""
     mesh_shape = dict(mesh.shape)
-    units = options.pop("_chunk_units", None)  # a pipeline stage: the whole model's (plan_pipeline)
+    units, blocks = options.pop("_chunk_units", None) or (None, None)  # a pipeline stage: the whole model's (plan_pipeline)
     opts = check_options(options, mesh_shape)
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
@@ -443,7 +443,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
     if units is None:
-        units = param_units((names[0] for names in names_of.values()), find_blocks(model))
+        blocks = find_blocks(model)
+        units = param_units((names[0] for names in names_of.values()), blocks)
 
     param_plans = []
     for key, names in names_of.items():
@@ -470,7 +471,8 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     search = None
     if chunk_size is None:
         data_size = int(np.prod([mesh_shape[a] for a in data_axes], dtype=np.int64))
-        search = search_chunk_size(plan_entries(param_plans, mesh_shape, {a: 0 for a in mesh_shape}), data_size)
+        search = search_chunk_size(plan_entries(param_plans, mesh_shape, {a: 0 for a in mesh_shape}), data_size,
+                                   blocks)
         chunk_size = search.size
     return Plan(
         mesh_shape=tuple(mesh_shape.items()),

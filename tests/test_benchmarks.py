@@ -252,3 +252,37 @@ def test_memory_benchmark_smoke():
         assert r["shardlib peak MB"] > 0 and r["torch peak MB"] > 0 and r["target"].count(":") >= 1, r
     assert rows[1]["shardlib saved MB"] < rows[1]["torch saved MB"]  # recompute keeps less for backward
     assert "vs" in rows[1]["target"] and rows[1]["target"].endswith("met"), rows[1]["target"]  # all-gather bytes equal
+
+
+def test_recompute_formula_factor_and_a_block_saves_what_it_counts():
+    """benchmarks.memory.formula_factor is Korthikanti et al.'s (34 + 5as/h)/2 with dropout and
+    unfused attention (22 at a=6, s=128, h=384, the paper's terms), 18 without dropout and 16
+    with a fused kernel as well; and a block of our GPT (no dropout, flash attention on CPU)
+    saves the formula's 32 s b h 16-bit bytes, i.e. 16 s b h fp32 elements, without recompute
+    and its s b h input with full recompute. Measured: 1.0039 x the formula (the layer norms'
+    mean and rstd, 2 x 2 x s b floats, and attention's log-sum-exp, a s b floats, are below the
+    formula's resolution: (16 + 4a) / (64 h) = 0.4% here), hence the 1% bound."""
+    from benchmarks.common import saved_activation_bytes
+    from benchmarks.memory import formula_factor
+
+    assert formula_factor(6, 128, 384, dropout=True, fused_attention=False) == (34 + 5 * 6 * 128 / 384) / 2 == 22
+    assert formula_factor(6, 128, 384, dropout=False, fused_attention=False) == 18
+    assert formula_factor(6, 128, 384, dropout=False, fused_attention=True) == 16
+    b, s, h, a, n = 2, 32, 128, 4, 3
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=s, n_layer=n, n_head=a, n_embd=h))
+    x = torch.randint(0, 64, (b, s))
+
+    def step():
+        model(x, x)[1].backward()
+
+    inside, _ = saved_activation_bytes(step, [model], list(model.blocks))
+    # the factor is the saved elements per s b h (the input under full recompute is s b h of them)
+    per_block = 4 * s * b * h * formula_factor(a, s, h, dropout=False, fused_attention=True)
+    assert per_block <= inside / n <= 1.01 * per_block, (inside / n / per_block)
+    from torch.utils.checkpoint import checkpoint
+
+    for blk in model.blocks:  # full recompute: each block keeps its input only
+        blk.forward = lambda t, f=blk.forward: checkpoint(f, t, use_reentrant=False)
+    inside, _ = saved_activation_bytes(step, [model], list(model.blocks))
+    assert inside == n * 4 * s * b * h

@@ -59,9 +59,12 @@ def test_searched_chunks_hold_one_block_each():
 def test_search_is_the_least_cost_over_every_size():
     """The searched size's padding + working set is the least of every chunk size from the
     largest unit to the whole model (steps of 1/97 of the range, the candidates' ends too),
-    the larger size on a tie; sizes below MIN_SEARCHED_CHUNK are not proposed."""
+    the larger size on a tie; sizes below MIN_SEARCHED_CHUNK or one block (whichever is less)
+    are not proposed."""
     for cfg, mesh in ((WIDE, {"dp": 3}), (NARROW, {"dp": 4})):
-        plan = shardlib.plan(GPT(cfg), AbstractMesh(mesh), zero_stage=3)
+        model = GPT(cfg)
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        plan = shardlib.plan(model, AbstractMesh(mesh), zero_stage=3)
         entries = plan_entries(plan.params, dict(plan.mesh_shape), plan.coords())
         s = plan.chunk_search
         best = _cost(entries, s.size, plan.data_size)
@@ -69,7 +72,23 @@ def test_search_is_the_least_cost_over_every_size():
         step = max(1, (s.high - s.low) // 97)
         for size in list(range(s.low, s.high + 1, step)) + [s.high]:
             assert _cost(entries, size, plan.data_size) >= best, size
-        assert s.low >= min(MIN_SEARCHED_CHUNK, s.high)
+        assert s.low >= min(MIN_SEARCHED_CHUNK, block)
+
+
+def test_blocks_below_the_floor_get_a_chunk_each_and_other_models_keep_it():
+    """A block smaller than MIN_SEARCHED_CHUNK is the floor (FSDP2's per-block unit): the narrow
+    24-block GPT (49,984 elements a block) gets one chunk per block. A model without transformer
+    blocks (a Sequential of small layers: each layer its own unit) keeps the 1 MiB floor."""
+    model = GPT(NARROW)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert block < MIN_SEARCHED_CHUNK
+    plan = shardlib.plan(model, AbstractMesh({"dp": 2}), zero_stage=3)
+    assert plan.chunk_size == block
+    for i in range(NARROW.n_layer):
+        assert [c.units for c in plan.chunks if f"blocks.{i}" in c.units] == [(f"blocks.{i}",)]
+    mlp = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(80)])  # 80 x 4,160 elements
+    plan = shardlib.plan(mlp, AbstractMesh({"dp": 2}), zero_stage=3)
+    assert plan.chunk_search.low == MIN_SEARCHED_CHUNK and plan.chunk_size >= MIN_SEARCHED_CHUNK
 
 
 def test_chunks_keep_unit_order_under_tensor_parallel_and_frozen():
@@ -157,6 +176,52 @@ def test_zero3_step_gathers_what_the_search_predicts():
     for peak, predicted in run_on(2, _gathered_worker):
         assert peak["forward"] == predicted
         assert peak["backward"] <= predicted + block, (peak, predicted)
+
+
+def _grad_buffers_worker(stage):
+    """Rank's largest bytes of unreduced gradient buffers (``grad_full``) alive at once in one
+    backward of WIDE, sampled after every reduction launch, and the largest chunk's bytes."""
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(WIDE), mesh, zero_stage=stage)
+    zero = smodel._zero
+    peak = [0]
+    launch = zero._launch_reduce
+
+    def _launch_reduce(chunk):
+        launch(chunk)
+        alive = sum(c.grad_full.numel() * c.grad_full.element_size() for c in zero.chunks if c.grad_full is not None)
+        peak[0] = max(peak[0], alive)
+
+    zero._launch_reduce = _launch_reduce
+    deferred = []
+    for c in zero.chunks:
+        def defer(prm, off, grad, c=c, orig=c.defer):
+            deferred.append(c.grad_full is None)  # the chunk's buffer is not allocated before its pack
+            orig(prm, off, grad)
+
+        c.defer = defer
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, WIDE.vocab_size, (2, WIDE.block_size + 1), generator=g)
+    _, loss = smodel(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert all(c.grad_full is None for c in zero.chunks)  # all freed by the end of backward
+    # every gradient waited in autograd's own tensor until its chunk was packed
+    assert all(deferred) and len(deferred) == sum(p.requires_grad for p in smodel.parameters())
+    return peak[0], max(c.nbytes for c in zero.chunks), len(zero.chunks)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stage_2_3_backward_holds_two_gradient_buffers_at_most(stage):
+    """ZeRO-2/3 keep one gradient reduction in flight (FSDP2's reduce-scatter state): an
+    earlier chunk's unreduced buffer is freed when the next chunk's reduction starts, not at the
+    end of backward, so at most two chunks' ``grad_full`` are alive (before: every chunk's, 7 on
+    this 6-block GPT); and a chunk's buffer is allocated only when its gradients are complete,
+    each one waiting in autograd's tensor until then (FSDP2's unsharded gradients)."""
+    for peak, largest, n in run_on(2, _grad_buffers_worker, stage):
+        assert n >= 7
+        assert 0 < peak <= 2 * largest, (peak, largest)
 
 
 @pytest.mark.multiprocess

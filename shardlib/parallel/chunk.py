@@ -168,6 +168,7 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_views: dict[int, torch.Tensor] = {}  # stage 0: id(prm) -> its ``.grad`` view of grad_full
+        self.pending: list[tuple[nn.Parameter, int, torch.Tensor]] = []  # gradients not yet packed (:meth:`defer`)
         self.opt_param: nn.Parameter | None = None
         self.stale = True  # grad_full is logically zero outside the regions in ``written``
         self.written: set[int] = set()  # ids of parameters whose region holds this window's gradient
@@ -220,14 +221,28 @@ class Chunk:
         return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
 
     def ensure_grad_full(self) -> torch.Tensor:
-        """``grad_full``, allocated (stale) if absent; for ``reduce_in_place`` the optimizer's
-        ``grad_shard`` is its view (stage 0: all of it, stage 1: this rank's slot)."""
+        """``grad_full``, allocated (stale) if absent, with the deferred gradients packed into it
+        (:meth:`defer`); for ``reduce_in_place`` the optimizer's ``grad_shard`` is its view
+        (stage 0: all of it, stage 1: this rank's slot)."""
         if self.grad_full is None:
             self.grad_full = self.new_grad_full()
             if self.reduce_in_place:
                 self.grad_shard = self.grad_full if self.stage == 0 else self.grad_full[self.slot]
                 self.opt_param.grad = self.grad_shard
+            pending, self.pending = self.pending[::-1], []
+            while pending:  # in arrival order, each freed as soon as it is packed
+                prm, off, grad = pending.pop()
+                self.accumulate(prm, off, grad)
+                del grad
         return self.grad_full
+
+    def defer(self, prm: nn.Parameter, off: int, grad: torch.Tensor) -> None:
+        """Keep autograd's flat gradient ``grad`` of ``prm`` as it is until ``grad_full`` is
+        allocated (the chunk's reduction, or the end of a backward that reduces nothing), instead
+        of allocating the whole chunk's buffer at its first gradient: a block's gradients then
+        grow parameter by parameter while its activations are freed, as FSDP2's unsharded
+        gradients do before its reduce-scatter copies them into one buffer."""
+        self.pending.append((prm, off, grad))
 
     def grad_view(self, prm: nn.Parameter, off: int) -> torch.Tensor:
         """Stage 0: ``prm``'s gradient as a view of ``grad_full`` (the same tensor until
@@ -285,6 +300,7 @@ class Chunk:
         ``zero_grad(set_to_none=True)``). The caller sets the parameters' ``.grad`` to None."""
         self.grad_full = self.grad_shard = None
         self.grad_views = {}
+        self.pending = []
         if self.opt_param is not None:
             self.opt_param.grad = None
         self.mark_stale()

@@ -195,6 +195,8 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             grad = prm.grad.reshape(-1)
             if prm in self._tp_sums:  # a partial sum on each tensor rank: into its bucket, summed before the reduction
                 self._tp_sums.add(prm, grad, launch=self.sync)
+            elif chunk.grad_full is None and not chunk.reduce_in_place:
+                chunk.defer(prm, self.param_offset[key], grad)  # packed when the chunk's gradients are complete
             else:
                 chunk.accumulate(prm, self.param_offset[key], grad)
             prm.grad = None
@@ -223,6 +225,11 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             chunk = self._trainable_order[self._next_reduce]
             if not force and len(chunk.ready) < chunk.n_trainable:
                 return
+            if self._next_reduce > 0 and not chunk.reduce_in_place:
+                # one reduction in flight (FSDP2's reduce-scatter state): the one before is
+                # finished and its unreduced grad_full freed before this chunk's is packed, not
+                # at the end of backward (stages 2-3: every chunk's was alive at once)
+                self._finish_reduce(self._trainable_order[self._next_reduce - 1])
             self._launch_reduce(chunk)
             self._next_reduce += 1
 
@@ -331,6 +338,8 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         self._tp_sums.end_backward()
         for chunk in self.chunks:
             chunk.ready.clear()
+            if chunk.pending:  # no reduction this backward (no_sync): pack them for the next to add to
+                chunk.ensure_grad_full()
         if self.stage == 3:
             for chunk in self.chunks:
                 self._free(chunk)
