@@ -13,7 +13,12 @@ zero3 vs FSDP2 (10.8M, 24x64)   ``fully_shard`` per block + root                
 zero0 vs DDP                    ``DistributedDataParallel``                      <= 1.05 x
 one rank vs plain PyTorch       the model and AdamW, no wrapper                  <= 1.05 x
 zero3 full recompute vs none    the same shardlib model without checkpointing    see below
+predicted vs measured peak      (``Plan.peak_estimate`` against the measured)    0.9-1.1
 ==============================  ==============================================  ===============
+
+The predicted rows (:data:`PREDICTED`: ZeRO 0-3, ZeRO-3 with full recompute, tp=2 + SP, pp=2
+1F1B) put the prediction of :mod:`shardlib.memory_estimate` in the "shardlib peak" column and
+the measured peak in the "torch peak" one, per rank (``rank 0 / rank 1``).
 
 The recompute row compares shardlib against itself on purpose: what the option buys. Its
 targets: the blocks' saved activations (the bytes saved while a transformer block runs its
@@ -38,11 +43,17 @@ import torch
 from .common import Settings, add_common_args, batches, make_gpt, saved_activation_bytes, settings_from_args, \
     torch_state_bytes, train_step, worker_group
 
-CASES = ("zero3_vs_fsdp2", "zero3_vs_fsdp2_narrow", "zero0_vs_ddp", "one_rank_vs_plain", "zero3_recompute")
+CASES = ("zero3_vs_fsdp2", "zero3_vs_fsdp2_narrow", "zero0_vs_ddp", "one_rank_vs_plain", "zero3_recompute", "predicted")
+# the plans whose predicted peak (Plan.peak_estimate) is compared with the measured one, on 2 ranks
+PREDICTED = (("zero-0", {"dp": 2}, dict(zero_stage=0)), ("zero-1", {"dp": 2}, dict(zero_stage=1)),
+             ("zero-2", {"dp": 2}, dict(zero_stage=2)), ("zero-3", {"dp": 2}, dict(zero_stage=3)),
+             ("zero-3 full recompute", {"dp": 2}, dict(zero_stage=3, activation_checkpointing="full")),
+             ("tp=2 + SP", {"tp": 2}, dict(sequence_parallel=True)),
+             ("pp=2 1F1B, 4 microbatches", {"pp": 2}, dict(schedule="1f1b", microbatches=4)))
 NARROW = dict(n_layer=24, n_head=4, n_embd=64)  # the 24-block narrow GPT (1.2M parameters)
 
 
-def _peak(step, state_bytes) -> int:
+def _peak(step, state_bytes, over_ranks: bool = True) -> int:
     """Peak bytes over one call of ``step``, the largest over the ranks: the model state alive
     before it (``state_bytes()["total"]``: parameters, gradients, optimizer state) plus the
     highest running sum of every CPU allocation and free during the call, in time order over all
@@ -70,7 +81,7 @@ def _peak(step, state_bytes) -> int:
         run += e.nbytes()
         top = max(top, run)
     peak = torch.tensor(base + top, dtype=torch.int64)
-    if dist.is_initialized():
+    if dist.is_initialized() and over_ranks:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak)
 
@@ -181,6 +192,54 @@ def _recompute_row(settings, mesh, data) -> dict:
                        f"{int(sides['full']['gathered']):,} B vs {int(sides[None]['gathered']):,}: {'met' if same_bytes else 'MISS'}")}
 
 
+def _predicted_rows(settings, data_all) -> list[dict]:
+    """Each plan of :data:`PREDICTED`: the peak ``Plan.peak_estimate`` predicts per rank against
+    the one measured (:func:`_peak` on each rank), and the ratio's range over the ranks."""
+    import torch.distributed as dist
+
+    import shardlib
+    from shardlib.models.gpt import tp_specs
+
+    from .pipeline import _criterion
+
+    rank, rows = dist.get_rank(), []
+    for label, shape, options in PREDICTED:
+        mesh = shardlib.init_mesh(shape)
+        pipe = "pp" in shape
+        model = make_gpt(settings, **({"tie_embeddings": False} if pipe else {}))
+        smodel = shardlib.shard(model, mesh, tp_specs() if "tp" in shape else None, **options)
+        opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=settings.lr)
+        dp = shape.get("dp", 1)
+        b = settings.batch
+        local = [(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]) if dp > 1 else (x[:b], y[:b]) for x, y in data_all]
+
+        def step(i, smodel=smodel, opt=opt, local=local, pipe=pipe):
+            x, y = local[i % len(local)]
+            opt.zero_grad()
+            if pipe:
+                smodel.forward_backward(x, criterion=_criterion, labels=(y,))
+            else:
+                smodel(x, y)[1].backward()
+            opt.step()
+
+        step(0)
+        calls = iter(range(1, 3))
+        measured = _peak(lambda: step(next(calls)), lambda: shardlib.model_state_bytes(smodel, opt), over_ranks=False)
+        tokens = b * settings.seq // options.get("microbatches", 1)
+        est = (smodel.pipeline_plan.peak_estimate(tokens, mesh.index("pp")) if pipe else smodel.plan.peak_estimate(tokens))
+        pair = torch.tensor([est.total, measured], dtype=torch.float64)
+        both = [torch.zeros_like(pair) for _ in range(dist.get_world_size())]
+        dist.all_gather(both, pair)
+        ratios = [float(p / m) for p, m in both]
+        ok = all(0.9 <= r <= 1.1 for r in ratios)
+        rows.append({"comparison": f"predicted vs measured peak: {label}",
+                     "shardlib peak MB": " / ".join(f"{float(p) / 2**20:.1f}" for p, _ in both),
+                     "torch peak MB": " / ".join(f"{float(m) / 2**20:.1f}" for _, m in both),
+                     "ratio": " / ".join(f"{r:.3f}" for r in ratios), "shardlib saved MB": "", "torch saved MB": "",
+                     "target": f"0.9-1.1 on every rank: {'met' if ok else 'MISS'}"})
+    return rows
+
+
 def worker(settings: Settings, cases=CASES) -> list[dict]:
     import torch.distributed as dist
 
@@ -211,6 +270,8 @@ def worker(settings: Settings, cases=CASES) -> list[dict]:
                              _measure(*_torch(settings, "plain", local)), "<= 1.05", 1.05))
         elif case == "zero3_recompute":
             rows.append(_recompute_row(settings, mesh, local))
+        elif case == "predicted":  # "shardlib peak" is the predicted one, "torch peak" the measured, per rank
+            rows += _predicted_rows(settings, data)
     return rows if rank == 0 else []
 
 

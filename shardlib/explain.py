@@ -50,7 +50,8 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
     return fit(lines)
 
 
-def explain(plan, tokens: int | None = None, full: bool = False) -> str:
+def explain(plan, tokens: int | None = None, full: bool = False, activation_checkpointing=None, in_flight: float = 1,
+            accumulating: bool = False) -> str:
     """The plan as text: the summary, the per-parameter table, the tensor-parallel layers.
 
     Args:
@@ -60,6 +61,11 @@ def explain(plan, tokens: int | None = None, full: bool = False) -> str:
         full: print every parameter's row (and every tensor-parallel layer and chunk) even
             when the table is long; by default a table of more than ``FOLD_ABOVE`` (60) rows folds its
             repeated blocks.
+        activation_checkpointing: with ``tokens``, the recompute the predicted peak assumes
+            (``"full"``, ``"selective"``, ``False``; None: the plan's own option).
+        in_flight: microbatches whose activations the predicted peak holds (a pipeline
+            stage's peak stash; 1 otherwise). accumulating: gradients accumulate over
+            several backwards (a pipeline's microbatches).
 
     Returns:
         The text. The table has one row per parameter (name, global shape, spec, strategy,
@@ -70,7 +76,7 @@ def explain(plan, tokens: int | None = None, full: bool = False) -> str:
     """
     rows = param_rows(plan)
     folded = fold(rows)
-    lines = summary_lines(plan, tokens, folded)
+    lines = summary_lines(plan, tokens, folded, activation_checkpointing, in_flight, accumulating)
     folding = not full and len(rows) > FOLD_ABOVE
     items = folded if folding else rows
     if folding:

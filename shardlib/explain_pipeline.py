@@ -105,6 +105,10 @@ def pipeline_summary(pplan, tokens: int | None = None) -> str:
         sends = ", ".join(f"rank {r} {p.transfers_per_step(r)}" for r in range(p.p))
         lines.append(f"bytes per boundary transfer: {p.boundary_bytes(tokens):,} ({tokens} tokens per microbatch, {shape} "
                      f"with width {p.activation_width}); transfers per step: {sends}")
+        peaks = [p.peak_estimate(tokens, r) for r in range(p.p)]
+        if all(e is not None for e in peaks):
+            lines.append("peak per rank (predicted, the stashed microbatches' activations held): "
+                         + ", ".join(f"pp rank {r} {human(e.total)}" for r, e in enumerate(peaks)))
     return "\n".join(fit(lines))
 
 
@@ -128,5 +132,7 @@ def pipeline_explain(pplan, tokens: int | None = None, full: bool = False) -> st
     for r, st in enumerate(pplan.stages):
         lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in range(r, pplan.n_stages, pplan.p))}; "
                       f"communication of one microbatch, a step runs {pplan.m}):"])
-        lines.append(st.explain(tokens, full))
+        from .explain import explain
+
+        lines.append(explain(st, tokens, full, in_flight=sim.peak_stash[r] / pplan.v, accumulating=pplan.m > 1))
     return "\n".join(lines)

@@ -161,15 +161,33 @@ def _where_lines(plan, items: list) -> list[str]:
     return lines
 
 
-def summary_lines(plan, tokens: int | None, items: list) -> list[str]:
+def _peak_lines(plan, tokens: int | None, activation_checkpointing, in_flight: float = 1,
+                accumulating: bool = False) -> list[str]:
+    if not tokens:
+        return []
+    from .memory_estimate import estimate_peak
+
+    est = estimate_peak(plan, tokens, activation_checkpointing, in_flight, accumulating)
+    if est is None:
+        return ["peak per rank: not predicted (the activation formula models shardlib.models.GPT only; "
+                "see shardlib.memory_estimate)"]
+    return est.lines()
+
+
+def summary_lines(plan, tokens: int | None, items: list, activation_checkpointing=None, in_flight: float = 1,
+                  accumulating: bool = False) -> list[str]:
     """The summary of ``plan``: the mesh and ZeRO layout, parameter counts, model state per
     rank, communication per step, then bytes per strategy, the largest tensors and the repeated
     blocks of ``items`` (the folded parameter rows).
 
     Args:
         plan: a :class:`~shardlib.Plan`.
-        tokens: tokens per micro-batch per rank, for the tensor-parallel activation collectives.
+        tokens: tokens per micro-batch per rank, for the tensor-parallel activation collectives
+            and the predicted peak (:func:`shardlib.memory_estimate.estimate_peak`).
         items: :func:`~shardlib.explain_table.fold` of the plan's parameter rows.
+        activation_checkpointing: the recompute the peak assumes (None: the plan's own).
+        in_flight: microbatches whose activations the peak holds (a pipeline stage's stash).
+        accumulating: gradients accumulate over several backwards (a pipeline's microbatches).
 
     Returns:
         Lines of at most :data:`~shardlib.explain_table.WIDTH` characters.
@@ -191,5 +209,6 @@ def summary_lines(plan, tokens: int | None, items: list) -> list[str]:
         f"parameters: {numel:,} elements in {len(plan.params)} tensors "
         + ("(all trainable)" if trainable == numel else f"({trainable:,} trainable)") + f", {pad:,} padding elements",
     ]
-    lines += _state_lines(plan) + _comm_lines(plan, tokens) + _where_lines(plan, items)
+    lines += (_state_lines(plan) + _peak_lines(plan, tokens, activation_checkpointing, in_flight, accumulating) + _comm_lines(plan, tokens)
+              + _where_lines(plan, items))
     return fit(lines)

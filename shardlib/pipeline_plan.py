@@ -200,6 +200,18 @@ class PipelinePlan:
         mine = range(rank, self.n_stages, self.p)
         return self.m * (sum(s < self.n_stages - 1 for s in mine) + sum(s > 0 for s in mine))
 
+    def peak_estimate(self, tokens: int, rank: int, activation_checkpointing: Any = None):
+        """The predicted peak bytes of pp rank ``rank`` (its stage plan's
+        :meth:`~shardlib.plan.Plan.peak_estimate` with the schedule's peak stash of
+        microbatches, over its ``v`` chunks), or None for a model whose activations are not
+        modelled. ``tokens``: per microbatch per rank.
+
+        Raises:
+            ValueError: ``tokens`` not a positive int.
+        """
+        return self.stages[rank].peak_estimate(tokens, activation_checkpointing,
+                                               in_flight=self.simulation.peak_stash[rank] / self.v, accumulating=self.m > 1)
+
     # -- printing ----------------------------------------------------------------------------
     def summary(self, tokens: int | None = None) -> str:
         """The pipeline in a few lines, totals first: schedule and bubble, one line per stage
@@ -314,6 +326,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     options["activation_checkpointing"] = stage_choice(whole.activation_checkpointing)
     options["_chunk_units"] = ({n: pp.unit for pp in whole.params for n in (pp.name,) + pp.aliases},  # the whole model's blocks
                                find_blocks(model))
+    options["_whole_model"] = model  # (its config, for the activation estimate)
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name
         by_name = dict(whole.init_rules)  # a rule ending in a name draws from that name's stream
         rules = {alias: by_name[pp.name] + (() if isinstance(by_name[pp.name][-1], str) else (pp.name,))

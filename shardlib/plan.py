@@ -69,6 +69,7 @@ class Plan:
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
     activation_checkpointing: tuple[tuple[str, str], ...] = ()  # (module path, "full" | "selective"): recomputed
     chunk_search: ChunkSearch | None = None  # None: chunk_size was given
+    activation_shape: Any = None  # shardlib.memory_estimate.ActivationShape, or None: activations not modelled
     verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
     verify_input: Any = field(compare=False, repr=False, default=None)
     mesh: Any = field(compare=False, repr=False, default=None)
@@ -211,20 +212,38 @@ class Plan:
         return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self, tokens: int | None = None, full: bool = False) -> str:
+    def explain(self, tokens: int | None = None, full: bool = False, activation_checkpointing: Any = None) -> str:
         """The plan as text: the summary first (memory per rank, communication per step by axis
         and kind, bytes per strategy, the largest tensors, one line per repeated block), then a
         row per parameter, then the tensor-parallel layers (see :func:`shardlib.explain.explain`).
 
         Args:
             tokens: tokens per micro-batch per rank; when given, activation collectives of
-                tensor/sequence parallelism are included in the per-step totals.
+                tensor/sequence parallelism are included in the per-step totals, and the peak
+                per rank is predicted (:meth:`peak_estimate`).
             full: every parameter's row even in a long table (more than 60 rows folds each
                 repeated block into one row per pattern by default).
+            activation_checkpointing: the recompute the predicted peak assumes (``"full"``,
+                ``"selective"``, ``False``: none; None: this plan's own option).
         """
         from .explain import explain
 
-        return explain(self, tokens, full)
+        return explain(self, tokens, full, activation_checkpointing)
+
+    def peak_estimate(self, tokens: int, activation_checkpointing: Any = None, in_flight: float = 1,
+                      accumulating: bool = False):
+        """The predicted peak bytes per rank of one training step, by term: a
+        :class:`~shardlib.memory_estimate.PeakEstimate` (``.total``), or None for a model whose
+        activations are not modelled. ``tokens``: per microbatch per rank; ``in_flight``:
+        microbatches held at once; ``accumulating``: gradients accumulate unreduced over several
+        backwards (a pipeline's microbatches). See :func:`shardlib.memory_estimate.estimate_peak`.
+
+        Raises:
+            ValueError: ``tokens`` not a positive int.
+        """
+        from .memory_estimate import estimate_peak
+
+        return estimate_peak(self, tokens, activation_checkpointing, in_flight, accumulating)
 
     def __str__(self) -> str:
         return self.explain()
@@ -365,6 +384,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     options)."""
     mesh_shape = dict(mesh.shape)
     units, blocks = options.pop("_chunk_units", None) or (None, None)  # a pipeline stage: the whole model's (plan_pipeline)
+    whole_model = options.pop("_whole_model", model)  # (a pipeline stage's: the model it was cut from)
     opts = check_options(options, mesh_shape)
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
@@ -474,7 +494,13 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         search = search_chunk_size(plan_entries(param_plans, mesh_shape, {a: 0 for a in mesh_shape}), data_size,
                                    blocks)
         chunk_size = search.size
+    from .memory_estimate import activation_shape
+
+    compute = opts.param_dtype or next((p.dtype for p in param_plans), torch.float32)
+    shape = activation_shape(whole_model, [n for pp in param_plans for n in (pp.name,) + pp.aliases], blocks,
+                             compute.itemsize)
     return Plan(
+        activation_shape=shape,
         mesh_shape=tuple(mesh_shape.items()),
         zero_stage=stage,
         data_axes=data_axes,

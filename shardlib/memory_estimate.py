@@ -1,0 +1,205 @@
+"""The peak memory per rank of a training step, predicted from the plan before launch.
+
+``plan.explain(tokens=..., activation_checkpointing=...)`` and :func:`estimate_peak` add up what
+a rank holds at the start of backward, where a step peaks (every activation is still saved and
+the gradients begin to arrive):
+
+- **model state** that lives through the step: parameters and optimizer state as the plan stores
+  them (``plan.param_bytes``, ``plan.optimizer_bytes``; gradients are released at ``zero_grad``);
+- **gathered chunks** (ZeRO-3): the largest set a forward holds, the prefetched chunk and the
+  tied chunk included (:func:`shardlib.chunking.gathered_peak`); backward holds the same set
+  at its start (the top chunk, the next one prefetched, the tied one);
+- **gradients in flight**: at stages 0-1 the top chunk's unreduced buffer (allocated whole at
+  its first gradient); at stages 2-3 none yet (a chunk's gradients wait in autograd's tensors
+  until it is packed, and grow while its block's activations are freed). At the end of
+  backward instead: every gradient buffer (stages 0-1) or every reduced shard plus the last
+  chunk being packed (stages 2-3); the estimate is the larger moment;
+- **activations**: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", arXiv 2205.05198, section 4.1), per transformer layer and token
+  ``h (34 + 5 a s / h)`` bytes in 16-bit, counted term by term for the model as built
+  (:func:`block_elements`), divided by ``t`` under tensor + sequence parallelism; only each
+  block's input under full recompute; plus the head (final norm input and output, the
+  log-softmax output over the vocabulary). A pipeline stage holds the microbatches its
+  schedule keeps in flight (1F1B: ``p - r`` on stage ``r``, GPipe: all ``m``);
+- **workspace**: the gradients flowing through one block's MLP at that moment (its output and
+  its hidden activation's gradient, ``T (h + ffn)`` elements).
+
+Modelled: :class:`shardlib.models.GPT` (its config gives width, heads, MLP width, vocabulary,
+dropout; attention through ``scaled_dot_product_attention``, a fused kernel that keeps no
+``s x s`` probabilities). Another model gets no activation estimate (the explanation says so)
+rather than a wrong one. Units: bytes per rank; tokens per microbatch per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ActivationShape", "PeakEstimate", "activation_shape", "block_elements", "estimate_peak"]
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activation formula needs from the model, recorded at plan time.
+
+    Attributes:
+        hidden: ``h``, the residual stream width. heads: ``a``. ffn: the MLP hidden width.
+        vocab: the vocabulary (the log-softmax output's width). blocks: transformer blocks this
+        plan holds (a pipeline stage: its own). head: whether it holds the final norm and the
+        LM head. dropout: any dropout probability above 0 (the formula's masks are saved).
+        element_size: bytes per activation element (the compute dtype's).
+    """
+
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    blocks: int
+    head: bool
+    dropout: bool
+    element_size: int = 4
+    first_block: str = ""  # the path of the first block held (its tensor-parallel layers stand for every block's)
+
+
+def activation_shape(model: nn.Module, param_names: list[str], blocks: list[str], element_size: int) -> ActivationShape | None:
+    """The :class:`ActivationShape` of ``model`` (the whole model) restricted to ``param_names``
+    (a pipeline stage's), or None for a model the formula does not model (see the module).
+    ``blocks``: the model's transformer block paths."""
+    from .models.gpt import GPT
+
+    if not isinstance(model, GPT):
+        return None
+    cfg = model.config
+    held = [b for b in blocks if any(n.startswith(b + ".") for n in param_names)]
+    return ActivationShape(hidden=cfg.n_embd, heads=cfg.n_head, ffn=int(cfg.mlp_ratio * cfg.n_embd), vocab=cfg.vocab_size,
+                           blocks=len(held), head=any(n.startswith(("ln_f.", "lm_head.")) for n in param_names),
+                           dropout=cfg.dropout > 0 or cfg.attn_dropout > 0, element_size=element_size,
+                           first_block=held[0] if held else "")
+
+
+def block_elements(shape: ActivationShape) -> float:
+    """Elements one transformer block saves per token without recompute, Korthikanti et al.'s
+    terms (their 34 + 5as/h bytes in 16-bit) for a pre-norm GPT block with fused attention:
+    attention 6 h (the norm's input, the QKV projection's input, Q, K, V, the output
+    projection's input), MLP ``2 h + 2 ffn`` (the norm's input, the first linear's input, the
+    activation's input and output); with dropout, a 1-byte mask per residual dropout
+    (``2 h`` bytes). No ``a s^2`` term: the fused kernel keeps only a log-sum-exp per row.
+    16 h at ``ffn = 4 h`` without dropout."""
+    h, f = shape.hidden, shape.ffn
+    masks = 2 * h / shape.element_size if shape.dropout else 0.0
+    return 6 * h + 2 * h + 2 * f + masks
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """Predicted peak bytes per rank of one training step, by term (see the module)."""
+
+    state: int
+    gathered: int
+    grads: int
+    activations: int
+    workspace: int
+    microbatches: float  # activations of this many microbatches are held at the peak (a pipeline's stash over v)
+    tokens: int
+    moment: str = "start of backward"  # or "end of backward": where the step peaks
+
+    @property
+    def total(self) -> int:
+        return self.state + self.gathered + self.grads + self.activations + self.workspace
+
+    def lines(self) -> list[str]:
+        from .explain_summary import human
+
+        parts = (("model state", self.state), ("gathered chunks", self.gathered), ("gradients in flight", self.grads),
+                 (f"activations ({self.microbatches:g} microbatch{'es' if self.microbatches != 1 else ''})", self.activations),
+                 ("workspace", self.workspace))
+        return [f"peak per rank (predicted, {self.tokens} tokens per microbatch, at the {self.moment}): {human(self.total)} = "
+                + " + ".join(f"{k} {human(v)}" for k, v in parts if v),
+                f"  bytes: {self.total:,} (Korthikanti et al. 2022 activations; see shardlib.memory_estimate)"]
+
+
+def _recomputed(plan, activation_checkpointing: Any) -> str | None:
+    """``"full"``, ``"selective"`` or None: the recompute the estimate assumes."""
+    if activation_checkpointing is not None:
+        return activation_checkpointing or None
+    modes = {m for _, m in plan.activation_checkpointing}
+    return next(iter(modes)) if len(modes) == 1 else ("full" if modes else None)
+
+
+def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_flight: float = 1,
+                  accumulating: bool = False) -> PeakEstimate | None:
+    """The predicted peak per rank of a step of ``plan`` (a :class:`~shardlib.plan.Plan`; a
+    pipeline stage's plan with ``in_flight`` microbatches held), or None when the model's
+    activations are not modelled (:func:`activation_shape`).
+
+    The larger of two moments (see the module for the terms): the start of backward (every
+    activation saved, one chunk's gradients, under full recompute the top block's activations
+    rebuilt) and the end of backward (stages 0-1: every chunk's gradient buffer, reduced in
+    place; stages 2-3: every reduced shard, plus the last chunk's buffer and its gradients
+    being packed into it). With ``accumulating`` (a pipeline's microbatches: gradients
+    accumulate unreduced until the step's last backward) every chunk's unreduced buffer is
+    alive from the first backward on, so at the first moment too.
+
+    Args:
+        plan: the plan.
+        tokens: tokens per microbatch per rank (local batch x sequence length / microbatches).
+        activation_checkpointing: ``"full"``, ``"selective"``, ``False`` (none) or None (the
+            plan's own option).
+        in_flight: microbatches whose activations are held at once (a pipeline schedule's).
+        accumulating: gradients accumulate over several backwards before one reduction.
+
+    Raises:
+        ValueError: ``tokens`` not a positive int.
+    """
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+        raise ValueError(f"estimate_peak: tokens must be a positive int (tokens per microbatch per rank), got {tokens!r}")
+    shape = plan.activation_shape
+    if shape is None:
+        return None
+    from .chunking import gathered_peak
+
+    mesh = dict(plan.mesh_shape)
+    tp = max((mesh[layer.axis] for layer in plan.tp_layers), default=1)
+    sp = plan.sequence_parallel and tp > 1
+    e, h = shape.element_size, shape.hidden
+    mode = _recomputed(plan, activation_checkpointing)
+    full_block = block_elements(shape)
+    if sp:  # Korthikanti's 34sbh/t, plus what shardlib keeps whole: each column layer's gathered input
+        gathered_inputs = sum(max(1, len(layer.fused)) * layer.in_features - layer.in_features / tp
+                              for layer in plan.tp_layers
+                              if layer.kind == "column" and shape.first_block and layer.path.startswith(shape.first_block + "."))
+        full_block = full_block / tp + gathered_inputs
+    elif tp > 1:  # the norms' inputs and outputs stay whole
+        full_block = (full_block - 4 * h) / tp + 4 * h
+    per_block = h / (tp if sp else 1) if mode == "full" else full_block
+    parallel_logits = any(layer.parallel_output for layer in plan.tp_layers)
+    head = (2 * h + shape.vocab / (tp if parallel_logits else 1)) if shape.head else 0.0
+    activations = tokens * (shape.blocks * per_block + head) * e * in_flight
+    rebuilt = tokens * full_block * e if mode == "full" and shape.blocks else 0.0  # the top block's recompute
+    stage = plan.effective_stage
+    gathered = 0
+    if stage == 3 and plan.chunks:
+        chunks = [{"numel": c.numel, "units": list(c.units), "tied": not c.reshard_after_forward,
+                   "itemsize": c.compute_element_size} for c in plan.chunks]
+        gathered = gathered_peak(chunks, plan.data_size, [p.unit for p in plan.params])
+    trainable = [c for c in plan.chunks if c.requires_grad]
+    unreduced = [c.padded_numel * c.element_size for c in trainable]
+    one = max(unreduced, default=0)
+    if stage <= 1:
+        at_end = sum(unreduced)
+    else:
+        at_end = sum(c.shard_numel * c.element_size for c in trainable) + 2 * one
+    workspace = tokens * (h + shape.ffn) / (tp if sp else 1) * e if shape.blocks else 0.0
+    state = plan.param_bytes + plan.optimizer_bytes
+    # at the start of backward: stages 0-1 allocate the top chunk's whole buffer at its first
+    # gradient; at stages 2-3 a chunk's gradients wait in autograd's tensors until it is packed
+    # (Chunk.defer), growing as the block's activations are freed, so about none are held yet
+    grads_start = sum(unreduced) if accumulating else (one if stage <= 1 else 0)
+    start = activations + rebuilt + grads_start
+    if accumulating or start >= at_end:
+        return PeakEstimate(state=state, gathered=gathered, grads=grads_start, activations=int(round(activations + rebuilt)),
+                            workspace=int(workspace), microbatches=in_flight, tokens=tokens, moment="start of backward")
+    return PeakEstimate(state=state, gathered=gathered, grads=at_end, activations=0, workspace=int(workspace),
+                        microbatches=in_flight, tokens=tokens, moment="end of backward")
