@@ -17,7 +17,9 @@ the gradients begin to arrive):
 - **activations**: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", arXiv 2205.05198, section 4.1), per transformer layer and token
   ``h (34 + 5 a s / h)`` bytes in 16-bit, counted term by term for the model as built
-  (:func:`block_elements`), divided by ``t`` under tensor + sequence parallelism; only each
+  (:func:`block_elements`), divided by ``t`` under tensor + sequence parallelism (plus the all-gathered input of each
+  column-layer group, which shardlib keeps whole for backward where Megatron-LM keeps the
+  shard and gathers again); only each
   block's input under full recompute; plus the head (final norm input and output, the
   log-softmax output over the vocabulary). A pipeline stage holds the microbatches its
   schedule keeps in flight (1F1B: ``p - r`` on stage ``r``, GPipe: all ``m``);
@@ -166,11 +168,11 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
     e, h = shape.element_size, shape.hidden
     mode = _recomputed(plan, activation_checkpointing)
     full_block = block_elements(shape)
-    if sp:  # Korthikanti's 34sbh/t, plus what shardlib keeps whole: each column layer's gathered input
-        gathered_inputs = sum(max(1, len(layer.fused)) * layer.in_features - layer.in_features / tp
-                              for layer in plan.tp_layers
-                              if layer.kind == "column" and shape.first_block and layer.path.startswith(shape.first_block + "."))
-        full_block = full_block / tp + gathered_inputs
+    if sp:  # Korthikanti's 34sbh/t, plus what shardlib keeps whole: the gathered input of each group of
+        # column layers (one all-gather per input, shared by its readers), where Megatron keeps the shard
+        groups = {layer.group or layer.path: layer.in_features for layer in plan.tp_layers
+                  if layer.kind == "column" and shape.first_block and layer.path.startswith(shape.first_block + ".")}
+        full_block = full_block / tp + sum(n - n / tp for n in groups.values())
     elif tp > 1:  # the norms' inputs and outputs stay whole
         full_block = (full_block - 4 * h) / tp + 4 * h
     per_block = h / (tp if sp else 1) if mode == "full" else full_block

@@ -73,7 +73,10 @@ def _gather(x: torch.Tensor, mesh: Mesh, names, dim: int) -> torch.Tensor:
     where = _group_positions(mesh, names)
     if where is not None:  # into axis-index order
         out = out.view((n,) + tuple(xs.shape))[where].view(out.shape)
-    return out.movedim(0, dim)
+    # contiguous in the caller's layout: every reader then shares one storage (and autograd saves
+    # it once); a strided result made each linear layer reading it (q, k, v under sequence
+    # parallelism) save a copy of its own (3 T h elements a block where 1 serves)
+    return out.movedim(0, dim).contiguous()
 
 
 @eager
