@@ -89,6 +89,13 @@ def _state_lines(plan) -> list[str]:
             f"optimizer offload (ZeRO-Offload): host memory per rank {plan.host_bytes:,} B (optimizer state "
             f"{plan.optimizer_bytes:,} B + master and gradient copies of the updated shards); on the device "
             f"{plan.device_state_bytes:,} B; the update runs on the CPU")
+    if plan.offloaded_chunks:
+        off = plan.offloaded_chunks
+        shown = f"{off[0]}-{off[-1]}" if off == tuple(range(off[0], off[-1] + 1)) and len(off) > 1 else ", ".join(map(str, off))
+        lines.append(
+            f"parameter offload (offload_param_frac={plan.offload_param_frac:g}): chunk(s) {shown} of {len(plan.chunks)} keep "
+            f"their shards, gradient shards and optimizer state in host memory, {plan.param_offload_bytes:,} B per rank "
+            "(pinned with CUDA); each gather copies the shard to the device first, and their update runs on the CPU")
     if plan.offload_ratio is not None:
         lines.append(
             f"activation offload: {plan.offload_ratio:.0%} of saved activation bytes moved to host memory in forward, "

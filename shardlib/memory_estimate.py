@@ -194,7 +194,7 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
     else:
         at_end = sum(c.shard_numel * c.element_size for c in trainable) + 2 * one
     workspace = tokens * (h + shape.ffn) / (tp if sp else 1) * e if shape.blocks else 0.0
-    state = plan.param_bytes + plan.optimizer_bytes
+    state = plan.param_bytes + plan.optimizer_bytes - plan.param_offload_bytes  # on the device (offloaded: host)
     # at the start of backward: stages 0-1 allocate the top chunk's whole buffer at its first
     # gradient; at stages 2-3 a chunk's gradients wait in autograd's tensors until it is packed
     # (Chunk.defer), growing as the block's activations are freed, so about none are held yet

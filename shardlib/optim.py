@@ -114,7 +114,8 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
                 if zero.param_chunk[id(prm)].plan.tp_sharded == sharded:
                     local = local - zero.owned_grad_region(prm).float().abs().pow(norm_type).sum()
         axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ()) + pp_axes
-        parts.append((local.reshape(1).clone(), axes))
+        # on the mesh's device for the collective (offloaded shards' gradients are in host memory)
+        parts.append((local.reshape(1).to(zero.chunks[0].device, copy=True), axes))
     op = "max" if math.isinf(norm_type) else "sum"
     for stat, axes in parts:
         if axes:
@@ -127,7 +128,7 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
     grads = zero.owned_grads()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 

@@ -26,6 +26,7 @@ OPTIONS = frozenset({
     "sequence_parallel", "sp_entry", "sp_exit", "dropout_seed", "fused", "pp_axis", "strict_specs",
     "param_dtype", "reduce_dtype", "init_rules", "init_seed", "offload_ratio", "optimizer_offload",
     "verify", "verify_input", "tp_sum_grads", "vocab_parallel_logits", "activation_checkpointing",
+    "offload_param_frac",
 })
 
 
@@ -40,6 +41,7 @@ class Options:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     offload_ratio: float | None
+    offload_param_frac: float = 0.0
 
 
 def _check_int(option: str, value: Any, low: int, meaning: str) -> int:
@@ -114,7 +116,7 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
             naming an axis not in the mesh, or one twice; ``chunk_size`` < 1 or not an int or None;
             ``optimizer_states`` < 0 or not an int; ``pp_axis`` not in the mesh;
             ``param_dtype``/``reduce_dtype`` not a floating-point ``torch.dtype``;
-            ``offload_ratio`` not a number in [0, 1]; a flag (``sequence_parallel``,
+            ``offload_ratio`` or ``offload_param_frac`` not a number in [0, 1]; a flag (``sequence_parallel``,
             ``broadcast_buffers``, ``optimizer_offload``, ``strict_specs``, ``verify``,
             ``vocab_parallel_logits``) that is not a bool; ``vocab_parallel_logits=True`` on a mesh
             with a pipeline axis; ``tp_sum_grads`` not a list of globs; ``verify_input`` not a tensor or a tuple of them;
@@ -154,7 +156,12 @@ def check_options(options: dict, mesh_shape: dict[str, int]) -> Options:
         if isinstance(offload_ratio, bool) or not isinstance(offload_ratio, (int, float)) or not 0.0 <= offload_ratio <= 1.0:
             raise ShardingError(f"offload_ratio must be a number in [0, 1] (fraction of saved activations moved to host), got {offload_ratio!r}")
         offload_ratio = float(offload_ratio)
+    frac = options.get("offload_param_frac", 0.0)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+        raise ShardingError(f"offload_param_frac must be a number in [0, 1] (the fraction of each rank's ZeRO-3 parameter "
+                            f"shard bytes kept in host memory), got {frac!r}")
     return Options(
+        offload_param_frac=float(frac),
         data_axes=_check_data_axes(options.get("data_axes"), mesh_shape),
         chunk_size=None if options.get("chunk_size") is None else
         _check_int("chunk_size", options["chunk_size"], 1, "a positive number of elements"),

@@ -67,6 +67,7 @@ class Plan:
     init_seed: int = 0
     offload_ratio: float | None = None  # fraction of saved activations moved to host; None: no hooks
     optimizer_offload: bool = False  # optimizer state and update on the host (ZeRO-Offload)
+    offload_param_frac: float = 0.0  # ZeRO-3: this fraction of the shard bytes lives on the host (offloaded_chunks)
     activation_checkpointing: tuple[tuple[str, str], ...] = ()  # (module path, "full" | "selective"): recomputed
     chunk_search: ChunkSearch | None = None  # None: chunk_size was given
     activation_shape: Any = None  # shardlib.memory_estimate.ActivationShape, or None: activations not modelled
@@ -189,20 +190,61 @@ class Plan:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
+    def offloaded_chunks(self) -> tuple[int, ...]:
+        """Indices of the chunks whose ZeRO-3 shard lives in host memory (``offload_param_frac``,
+        ColossalAI Gemini's ``offload_param_frac``, ZeRO-Infinity's parameter offload): chunks in
+        index order until their shard bytes reach the fraction of all shard bytes (every chunk
+        at 1.0, none at 0). The same on every rank."""
+        if self.offload_param_frac <= 0 or self.effective_stage != 3:
+            return ()
+        sizes = [c.shard_numel * c.element_size for c in self.chunks]
+        goal, total, out = self.offload_param_frac * sum(sizes), 0, []
+        for c, size in zip(self.chunks, sizes):
+            if total >= goal:
+                break
+            out.append(c.index)
+            total += size
+        return tuple(out)
+
+    @property
+    def param_offload_bytes(self) -> int:
+        """Host bytes per rank of the offloaded chunks: their shards, their gradient shards and
+        (where the optimizer updates them on the host) their optimizer state."""
+        off = set(self.offloaded_chunks)
+        chunks = [c for c in self.chunks if c.index in off]
+        shards = sum(c.shard_numel * c.element_size for c in chunks)
+        trainable = sum(c.shard_numel * c.element_size for c in chunks if c.requires_grad)
+        return shards + trainable * (1 + self.optimizer_states)
+
+    @property
     def host_bytes(self) -> int:
-        """Bytes per rank in host memory under ``optimizer_offload`` (ZeRO-Offload): the optimizer
-        state, a master copy of the shards the optimizer updates and their gradients; else 0."""
-        if not self.optimizer_offload:
-            return 0
-        stage = self.effective_stage
-        master = sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size for c in self.chunks if c.requires_grad)
-        return self.optimizer_bytes + 2 * master
+        """Bytes per rank in host memory: under ``optimizer_offload`` (ZeRO-Offload) the optimizer
+        state, a master copy of the shards the optimizer updates and their gradients; with
+        ``offload_param_frac`` the offloaded chunks' :attr:`param_offload_bytes` (their optimizer
+        state once); else 0."""
+        total = self.param_offload_bytes
+        if self.optimizer_offload:
+            stage = self.effective_stage
+            off = set(self.offloaded_chunks)
+            master = sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size for c in self.chunks
+                         if c.requires_grad and c.index not in off)
+            on_device = [c for c in self.chunks if c.requires_grad and c.index not in off]
+            states = self.optimizer_states * sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size
+                                                 for c in on_device)
+            total += states + 2 * master
+        return total
 
     @property
     def device_state_bytes(self) -> int:
         """Model-state bytes per rank on the compute device: ``model_state_bytes`` less the
-        optimizer state when it is offloaded."""
-        return self.model_state_bytes - (self.optimizer_bytes if self.optimizer_offload else 0)
+        optimizer state when it is offloaded and less :attr:`param_offload_bytes`."""
+        offloaded = self.param_offload_bytes
+        states = self.optimizer_bytes if self.optimizer_offload else 0
+        if self.optimizer_offload and offloaded:  # the offloaded chunks' state is in both figures: once
+            off = set(self.offloaded_chunks)
+            states -= self.optimizer_states * sum(c.shard_numel * c.element_size for c in self.chunks
+                                                  if c.requires_grad and c.index in off)
+        return self.model_state_bytes - states - offloaded
 
     def comm_per_step(self, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
         """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step; see
@@ -428,6 +470,14 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in (0, 1, 2, 3):
         raise ShardingError(f"zero_stage must be 0, 1, 2 or 3 (ZeRO stages), got {stage!r}")
     stage = int(stage)
+    n_data = int(np.prod([mesh_shape[a] for a in data_axes], dtype=np.int64))
+    if opts.offload_param_frac > 0 and (stage != 3 or n_data == 1):
+        raise ShardingError(
+            f"offload_param_frac={opts.offload_param_frac} needs ZeRO-3 over more than one data rank; here "
+            f"zero_stage={stage} over data axes {data_axes or '()'} of size {n_data} (mesh {mesh_shape}). Only stage 3 "
+            "gathers each chunk before its use, so only it can keep a chunk's shard in host memory between uses. "
+            "Fix: zero_stage=3 with a data axis of size > 1, or offload_param_frac=0 (optimizer_offload=True moves "
+            "the optimizer state to the host at any stage)")
     if spec_names_data_axis and stage != 3:
         offender = next(
             n[0] for k, n in names_of.items() if any(a in data_axes for a in resolved[n[0]][0].axes)
@@ -520,6 +570,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         init_rules=tuple(init_rules.items()),
         init_seed=int(options.get("init_seed", 0)),
         offload_ratio=opts.offload_ratio,
+        offload_param_frac=opts.offload_param_frac,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
         activation_checkpointing=resolve_activation_checkpointing(model, options.get("activation_checkpointing")),
         verify=bool(options.get("verify", True)),

@@ -184,7 +184,8 @@ def _world(mesh_shape: dict) -> int:
 
 
 CASE_IDS = ["dp2-zero0", "dp2-zero1", "dp2-zero2", "dp2-zero3", "dp2-zero3-reduce-bf16", "dp2-zero0-reduce-bf16-accum2",
-            "dp2-zero1-accum2", "dp2-zero1-reduce-bf16-accum2", "dp2xtp2-sp-zero3", "dp2xtp2-sp-zero1"]
+            "dp2-zero1-accum2", "dp2-zero1-reduce-bf16-accum2", "dp2xtp2-sp-zero3", "dp2xtp2-sp-zero1",
+            "dp2-zero3-offload-params-accum2", "dp2xtp2-sp-zero3-offload-half"]
 BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}, 1) for s in (0, 1, 2, 3)] + [
     ({"dp": 2}, None, {"zero_stage": 3, "reduce_dtype": torch.bfloat16}, 1),
     ({"dp": 2}, None, {"zero_stage": 0, "reduce_dtype": torch.bfloat16}, 2),
@@ -192,6 +193,9 @@ BF16_CASES = [({"dp": 2}, None, {"zero_stage": s}, 1) for s in (0, 1, 2, 3)] + [
     ({"dp": 2}, None, {"zero_stage": 1, "reduce_dtype": torch.bfloat16}, 2),
     ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True}, 1),
     ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 1, "sequence_parallel": True}, 1),
+    # parameter offload: bf16 compute copies gathered from fp32 masters in host memory (the copy-in casts)
+    ({"dp": 2}, None, {"zero_stage": 3, "offload_param_frac": 1.0}, 2),
+    ({"dp": 2, "tp": 2}, TP_SPECS, {"zero_stage": 3, "sequence_parallel": True, "offload_param_frac": 0.5}, 1),
 ]
 
 

@@ -119,9 +119,13 @@ class Chunk:
         lazy: for a model built on ``meta``, a :class:`shardlib.lazy.LazyInit` that fills the
             elements this rank stores (stage 3: only its shard; its full buffer is allocated in
             the compute dtype and freed, never filled or converted).
+        offload: stage 3 only: keep the shard (and its gradient shard, and so the optimizer's
+            state for it) in host memory, pinned when the device is CUDA (``offload_param_frac``);
+            a gather copies it into the full buffer's own slot first.
     """
 
-    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int, lazy=None):
+    def __init__(self, plan, params: list[tuple[nn.Parameter, int]], stage: int, data_index: int, lazy=None,
+                 offload: bool = False):
         self.plan = plan
         self.index = plan.index
         self.params = params  # (param, offset), unique params in order
@@ -153,6 +157,13 @@ class Chunk:
                 self.full = self.full.to(plan.compute_dtype)
         for prm, off in params:
             prm.data = self.full[off : off + prm.numel()].view(prm.shape)
+        self.device = device
+        self.offloaded = bool(offload and stage == 3 and device.type != "meta")  # (a dry run stores nothing)
+        self.pinned = self.offloaded and device.type == "cuda"
+        if self.offloaded:  # the master shard in host memory: copied in before each gather
+            host = torch.empty(self.shard.shape, dtype=self.shard.dtype, device="cpu", pin_memory=self.pinned)
+            host.copy_(self.shard)
+            self.shard = host
         if stage == 3:
             self.full.untyped_storage().resize_(0)  # never filled: gathered before its first use
         # Gradients: ``grad_full`` (P elements, unreduced, in the reduction dtype) and
@@ -218,7 +229,7 @@ class Chunk:
         """An unreduced-gradient buffer for the whole chunk in the reduction dtype, uninitialised
         and marked stale (its regions are copied into, or zeroed by :meth:`settle_full`)."""
         self.mark_stale()
-        return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.shard.device)
+        return torch.empty(self.plan.padded_numel, dtype=self.plan.reduce_dtype or self.plan.dtype, device=self.device)
 
     def ensure_grad_full(self) -> torch.Tensor:
         """``grad_full``, allocated (stale) if absent, with the deferred gradients packed into it
@@ -287,8 +298,9 @@ class Chunk:
         dropped it, and the optimizer's ``opt_param.grad`` pointed at it."""
         if self.reduce_in_place:
             self.ensure_grad_full()
-        elif self.grad_shard is None:
-            self.grad_shard = torch.empty_like(self.shard)
+        elif self.grad_shard is None:  # (where the shard is: host memory when offloaded)
+            self.grad_shard = torch.empty(self.shard.shape, dtype=self.shard.dtype, device=self.shard.device,
+                                          pin_memory=self.pinned)
             self.opt_param.grad = self.grad_shard
             self.shard_stale = True
         return self.grad_shard

@@ -25,8 +25,9 @@ class FullTensors:
             return chunk.shard.clone()
         if self.stage != 3 and chunk.full.dtype == chunk.shard.dtype:
             return chunk.full.clone()
-        out = chunk.shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.shard, self.mesh, self.axes, note=f"chunk {chunk.index}")
+        src = chunk.shard.to(chunk.device)  # (an offloaded shard: from host memory; the collective is on the device)
+        out = src.new_empty(chunk.plan.padded_numel)
+        raw_all_gather(out, src, self.mesh, self.axes, note=f"chunk {chunk.index}")
         return out
 
     def write_full(self, chunk: Chunk, off: int, flat: torch.Tensor) -> None:
@@ -47,6 +48,7 @@ class FullTensors:
         chunk.settle_shard()
         if self.stage == 0:
             return chunk.grad_shard.clone()
-        out = chunk.grad_shard.new_empty(chunk.plan.padded_numel)
-        raw_all_gather(out, chunk.grad_shard, self.mesh, self.axes, note=f"chunk {chunk.index} gradients")
+        src = chunk.grad_shard.to(chunk.device)
+        out = src.new_empty(chunk.plan.padded_numel)
+        raw_all_gather(out, src, self.mesh, self.axes, note=f"chunk {chunk.index} gradients")
         return out

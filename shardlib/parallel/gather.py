@@ -22,6 +22,7 @@ uses its ``chunks``, ``param_chunk``, ``model``, ``mesh``, ``axes``, ``stage``, 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -64,11 +65,33 @@ class ParameterGathering:
         if chunk.gathered:
             return
         chunk.restore_storage()
-        src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
-        chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True,
-                                             note=f"chunk {chunk.index}")
+        if chunk.offloaded:
+            self._gather_offloaded(chunk)
+        else:
+            src = self._cast_into_slot(chunk) if chunk.full.dtype != chunk.shard.dtype else chunk.shard
+            chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True,
+                                                 note=f"chunk {chunk.index}")
         chunk.gathered = True
         self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
+
+    def _gather_offloaded(self, chunk: Chunk) -> None:
+        """Gather a chunk whose shard is in host memory (``offload_param_frac``): the shard is
+        copied into the full buffer's own slot (cast to the compute dtype), then all-gathered in
+        place. On CUDA the copy (from pinned memory) and the all-gather are issued on a side
+        stream that first waits for the compute stream's work so far (the buffer's memory may
+        be a freed chunk's), so the copy overlaps the compute issued after it; the all-gather's
+        wait (:meth:`_wait`) orders the compute stream after both. On CPU: a plain copy."""
+        slot = chunk.full[chunk.slot]
+        stream = None
+        if chunk.full.is_cuda:
+            stream = getattr(self, "_h2d_stream", None)
+            if stream is None:
+                stream = self._h2d_stream = torch.cuda.Stream(device=chunk.full.device)
+            stream.wait_stream(torch.cuda.current_stream(chunk.full.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            slot.copy_(chunk.shard, non_blocking=chunk.pinned)
+            chunk.gather_handle = raw_all_gather(chunk.full, slot, self.mesh, self.axes, async_op=True,
+                                                 note=f"chunk {chunk.index}")
 
     def _wait(self, chunk: Chunk) -> None:
         if chunk.gather_handle is not None:

@@ -96,7 +96,7 @@ class _Bucket:
             self.slots[id(prm)] = (start, prm.numel(), off)
             start += prm.numel()
         plan = chunk.plan
-        self.buffer = torch.empty(start, dtype=plan.reduce_dtype or plan.dtype, device=chunk.shard.device)
+        self.buffer = torch.empty(start, dtype=plan.reduce_dtype or plan.dtype, device=chunk.device)
         self.written: set[int] = set()  # parameters whose slot holds a gradient since the last sum
         self.ready: set[int] = set()  # ... from this backward
         self.handle = None  # the all-reduce in flight

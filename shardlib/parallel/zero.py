@@ -101,7 +101,9 @@ class ZeroRuntime(ParameterGathering, FullTensors):
                     with torch.no_grad():
                         p.copy_(flat[start : start + p.numel()].view(p.shape))
             self.broadcast_buffers()
-        self.chunks = [Chunk(c, members[c.index], self.stage, index, lazy) for c in plan.chunks]
+        offloaded = set(plan.offloaded_chunks)
+        self.chunks = [Chunk(c, members[c.index], self.stage, index, lazy, offload=c.index in offloaded) for c in plan.chunks]
+        self.offloaded = any(c.offloaded for c in self.chunks)
         self.param_offset: dict[int, int] = {}  # element offset of each parameter in its chunk
         for chunk in self.chunks:
             for prm, off in chunk.params:
@@ -274,13 +276,15 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             return
         # grad_shard apart (stages 2-3, or another reduction dtype): reduce into it directly when
         # it is logically zero and of the same dtype, else into a temporary added afterwards
-        direct = chunk.shard_stale and chunk.ensure_grad_shard().dtype == chunk.grad_full.dtype
+        # (an offloaded chunk's grad_shard is in host memory: reduced on the device, then copied)
+        direct = chunk.shard_stale and chunk.ensure_grad_shard().dtype == chunk.grad_full.dtype and not chunk.offloaded
         if self.stage == 0:
             out = chunk.grad_full
             chunk.reduce_handle = raw_all_reduce(out, self.mesh, self.axes, op="avg", async_op=True,
                                                  channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         else:
-            out = chunk.grad_shard if direct else torch.empty_like(chunk.grad_shard, dtype=chunk.grad_full.dtype)
+            out = chunk.grad_shard if direct else torch.empty(chunk.grad_shard.shape, dtype=chunk.grad_full.dtype,
+                                                                device=chunk.grad_full.device)
             chunk.reduce_handle = raw_reduce_scatter(out, chunk.grad_full, self.mesh, self.axes, async_op=True, op="avg",
                                                      channel=self.reduce_channel, note=f"chunk {chunk.index} gradients")
         chunk.reduce_tmp = None if out is chunk.grad_shard else out
@@ -302,10 +306,10 @@ class ZeroRuntime(ParameterGathering, FullTensors):
                 chunk.reduced = True  # outside its slot grad_full holds partial sums: restarted before reuse
             return
         if chunk.reduce_tmp is not None:
-            if chunk.shard_stale:
-                chunk.grad_shard.copy_(chunk.reduce_tmp)  # cast into the master dtype
+            if chunk.shard_stale:  # cast into the master dtype (offloaded: to pinned host memory, asynchronously)
+                chunk.grad_shard.copy_(chunk.reduce_tmp, non_blocking=chunk.pinned)
             else:
-                chunk.grad_shard.add_(chunk.reduce_tmp)
+                chunk.grad_shard.add_(chunk.reduce_tmp.to(chunk.grad_shard.device))
         chunk.shard_stale = False
         chunk.reduce_tmp = None
         chunk.grad_full = None
@@ -436,6 +440,11 @@ class ZeroRuntime(ParameterGathering, FullTensors):
                 if not self.unsynced:
                     self._adopt_grads(chunk)
                 chunk.settle_shard()
+        if self.offloaded and self.chunks[0].device.type == "cuda":
+            # the host reads the gradient shards the device copied into pinned memory without
+            # blocking (_finish_reduce): the update of an offloaded shard runs on the CPU, as
+            # ZeRO-Offload's step, so it waits for them here, once per step
+            torch.cuda.current_stream(self.chunks[0].device).synchronize()
 
     # -- optimizer support ---------------------------------------------------------------------
     def optimizer_params(self) -> list[nn.Parameter]:
