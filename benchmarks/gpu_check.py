@@ -215,6 +215,22 @@ def check_training(mesh, device: torch.device, cfg, batch: int, steps: int = 3, 
             f"{steps} steps; loss rel {loss_err:.1e}, weights rel {weight_err:.1e}; loss {losses[0]:.4f}->{losses[-1]:.4f}")
 
 
+def check_param_offload(mesh, device: torch.device, cfg, batch: int, steps: int = 3) -> tuple:
+    """``shard(GPT, {"dp": 1}, zero_stage=3, offload_param_frac=1.0)`` (ZeRO-Infinity on one
+    GPU): every chunk's shard in pinned host memory, copied in on a side stream before each
+    gather, updated on the CPU; losses and weights against the plain model within
+    :data:`TRAIN_RTOL` (:func:`check_training`), and the shards really on the pinned host."""
+    import shardlib
+
+    row = check_training(mesh, device, cfg, batch, steps, zero_stage=3, offload_param_frac=1.0)
+    smodel = shardlib.shard(gpt(cfg, device), mesh, zero_stage=3, offload_param_frac=1.0)
+    chunks = smodel._zero.chunks
+    where = {(c.shard.device.type, c.shard.is_pinned()) for c in chunks}
+    if not all(c.offloaded for c in chunks) or where != {("cpu", device.type == "cuda")}:  # (pinned only with CUDA)
+        raise AssertionError(f"offloaded shards not in {'pinned ' if device.type == 'cuda' else ''}host memory: {where}")
+    return row[0], f"{len(chunks)} chunks' shards on the host{' (pinned)' if device.type == 'cuda' else ''}; " + row[1]
+
+
 def check_pipeline_pp1(mesh, device: torch.device, cfg, batch: int) -> tuple:
     """A pipeline schedule on the mesh ``{"pp": 1}``: run it against the plain model where
     ``shard`` allows it, else a SKIP row with shard's refusal."""
@@ -360,6 +376,8 @@ def run_checks(device: torch.device, tiny: bool, only: tuple = ("nccl", "train",
             run_check(rows, "kernels", f"Triton vs torch reference, {name}", lambda: check_kernels(dtype, device, tiny))
     if "offload" in only:
         run_check(rows, "offload", "shard offload_ratio=1.0 vs none, 2 steps", lambda: check_offload(mesh(), device, cfg, batch))
+        run_check(rows, "offload", "shard dp=1 zero_stage=3 offload_param_frac=1.0 vs plain",
+                  lambda: check_param_offload(mesh(), device, cfg, batch))
     if "throughput" in only:
         big = gpt_config("tiny" if tiny else "medium")
         tb = 2 if tiny else 8

@@ -118,8 +118,12 @@ class Plan:
 
     @property
     def effective_stage(self) -> int:
-        """The stage that runs: with one data rank every stage is plain replication (stage 0)."""
-        return self.zero_stage if self.data_size > 1 else 0
+        """The stage that runs: with one data rank every stage is plain replication (stage 0),
+        except ZeRO-3 with parameter offload (``offload_param_frac``), whose shard is the whole
+        chunk, kept in host memory and copied in before each use (ZeRO-Infinity on one GPU)."""
+        if self.data_size > 1 or (self.zero_stage == 3 and self.offload_param_frac > 0):
+            return self.zero_stage
+        return 0
 
     def param(self, name: str) -> ParamPlan:
         for p in self.params:
@@ -358,6 +362,13 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             measures (``smodel.activation_offload.stats``); default None: no saved-tensor hooks.
         optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
             2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
+        offload_param_frac: ZeRO-3 only, a number in [0, 1]: the chunks holding this fraction
+            of each rank's shard bytes (index order, :attr:`Plan.offloaded_chunks`) keep their
+            shards, gradient shards and optimizer state in host memory (pinned with CUDA), are
+            copied to the device before each gather (a side stream on CUDA) and updated on the
+            CPU (ColossalAI Gemini's ``offload_param_frac``, ZeRO-Infinity's parameter offload,
+            arXiv 2104.07857). On one data rank ZeRO-3 then keeps running as stage 3 (the
+            shard is the whole chunk). Default 0.
         activation_checkpointing: modules whose forward backward runs again instead of keeping their activations
             (non-reentrant ``torch.utils.checkpoint``): ``"full"`` (every transformer block: a Hugging Face model's
             ``_no_split_modules``, else the largest ``nn.ModuleList`` of one module type), ``"selective"`` (every
@@ -396,7 +407,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             tensor-parallel layout that cannot be lowered (see :mod:`shardlib.parallel.tensor_rules`); a mesh axis
             of size > 1 that nothing uses; a pattern matching no parameter; conflicting specs on a tied parameter; a
             parameter on the meta device with no init rule (or a model only partly on meta); an ``offload_ratio``
-            outside [0, 1]; an ``activation_checkpointing`` of another form, selecting nothing, or finding no
+            or ``offload_param_frac`` outside [0, 1]; ``offload_param_frac`` > 0 below ZeRO-3 or without a data
+            axis; an ``activation_checkpointing`` of another form, selecting nothing, or finding no
             transformer blocks; a ``param_dtype`` / ``reduce_dtype`` that is not a floating-point ``torch.dtype``; a
             pipeline option without a pipeline axis; the pipeline checks of
             :func:`~shardlib.pipeline_plan.plan_pipeline`; a model that is, or contains, a module
@@ -470,14 +482,13 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in (0, 1, 2, 3):
         raise ShardingError(f"zero_stage must be 0, 1, 2 or 3 (ZeRO stages), got {stage!r}")
     stage = int(stage)
-    n_data = int(np.prod([mesh_shape[a] for a in data_axes], dtype=np.int64))
-    if opts.offload_param_frac > 0 and (stage != 3 or n_data == 1):
+    if opts.offload_param_frac > 0 and (stage != 3 or not data_axes):
         raise ShardingError(
-            f"offload_param_frac={opts.offload_param_frac} needs ZeRO-3 over more than one data rank; here "
-            f"zero_stage={stage} over data axes {data_axes or '()'} of size {n_data} (mesh {mesh_shape}). Only stage 3 "
-            "gathers each chunk before its use, so only it can keep a chunk's shard in host memory between uses. "
-            "Fix: zero_stage=3 with a data axis of size > 1, or offload_param_frac=0 (optimizer_offload=True moves "
-            "the optimizer state to the host at any stage)")
+            f"offload_param_frac={opts.offload_param_frac} needs ZeRO-3 over a data axis; here zero_stage={stage} over "
+            f"data axes {data_axes or '()'} (mesh {mesh_shape}). Only stage 3 gathers each chunk before its use, so only "
+            "it can keep a chunk's shard in host memory between uses (on one data rank the shard is the whole chunk). "
+            "Fix: zero_stage=3 with a data axis (size 1 is fine: {'dp': 1}), or offload_param_frac=0 "
+            "(optimizer_offload=True moves the optimizer state to the host at any stage)")
     if spec_names_data_axis and stage != 3:
         offender = next(
             n[0] for k, n in names_of.items() if any(a in data_axes for a in resolved[n[0]][0].axes)

@@ -71,7 +71,7 @@ def test_a_failed_init_fails_each_check_once_without_retrying(monkeypatch):
 
     monkeypatch.setattr(gpu_check, "init_single_rank", broken)
     rows = gpu_check.run_checks(torch.device("cpu"), tiny=True, only=("nccl", "offload"))
-    assert [(r.check, r.status) for r in rows] == [("nccl", "FAIL"), ("offload", "FAIL")]
+    assert [(r.check, r.status) for r in rows] == [("nccl", "FAIL"), ("offload", "FAIL"), ("offload", "FAIL")]
     assert all("init_mesh({'dp': 1}) failed: rendezvous timed out" in r.result for r in rows) and calls == [{"dp": 1}]
 
 
@@ -85,7 +85,8 @@ def _cpu_checks():
 def test_the_checks_run_on_cpu():
     """The script's checks at tiny size on CPU/gloo (what can run without a GPU): shard() trains as
     plain PyTorch at stages 0-3 and at tp=1 with and without SP, check mode refuses a tensor off
-    the mesh's device, offload equals the non-offloaded step, and the throughput sides run."""
+    the mesh's device, offload equals the non-offloaded step, parameter offload at dp=1 trains as
+    plain PyTorch, and the throughput sides run."""
     rows = run_on(1, _cpu_checks)[0]
     status = {(r.check, r.setting): r.status for r in rows}
     assert [k for k, v in status.items() if v == "FAIL"] == [], [r.detail for r in rows if r.status == "FAIL"]

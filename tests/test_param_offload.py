@@ -81,8 +81,9 @@ def test_offloaded_chunks_are_the_planned_ones_and_move_the_same_bytes():
 
 def test_plan_offloads_the_fraction_and_refuses_what_it_cannot():
     """The offloaded chunks (in index order) hold at least the fraction of the shard bytes and
-    one chunk fewer would not; explain() and host_bytes say so; offload below ZeRO-3, on one
-    data rank, or with a fraction outside [0, 1] is refused before anything moves."""
+    one chunk fewer would not; explain() and host_bytes say so; offload below ZeRO-3, without a
+    data axis, or with a fraction outside [0, 1] is refused before anything moves; one data rank
+    is accepted (and stays stage 3)."""
     model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=256))
     plan = shardlib.plan(model, AbstractMesh({"dp": 2}), zero_stage=3, offload_param_frac=0.4)
     sizes = {c.index: c.shard_numel * c.element_size for c in plan.chunks}
@@ -97,8 +98,21 @@ def test_plan_offloads_the_fraction_and_refuses_what_it_cannot():
                             (dict(zero_stage=3, offload_param_frac=True), "must be a number in [0, 1]")):
         with pytest.raises(ShardingError, match=needle.replace("[", r"\[").replace("]", r"\]")):
             shardlib.plan(model, AbstractMesh({"dp": 2}), **options)
-    with pytest.raises(ShardingError, match="size 1"):
-        shardlib.plan(model, AbstractMesh({"dp": 1, "tp": 1}), zero_stage=3, offload_param_frac=0.5)
+    with pytest.raises(ShardingError, match="needs ZeRO-3 over a data axis"):
+        shardlib.plan(model, AbstractMesh({"tp": 2}), zero_stage=3, offload_param_frac=0.5)
+    one = shardlib.plan(model, AbstractMesh({"dp": 1}), zero_stage=3, offload_param_frac=1.0)
+    assert one.effective_stage == 3 and len(one.offloaded_chunks) == len(one.chunks)  # ZeRO-Infinity on one device
+    assert shardlib.plan(model, AbstractMesh({"dp": 1}), zero_stage=3).effective_stage == 0
+
+
+@pytest.mark.multiprocess
+def test_offload_on_one_data_rank_trains_as_one_process():
+    """On one data rank (one GPU) ZeRO-3 with offload keeps running as stage 3: each chunk's
+    shard is the whole chunk, in host memory, copied in before each use and freed after it;
+    equal to the plain single process."""
+    report = assert_equivalent(_make, {"dp": 1}, None, _batch(), steps=2, zero_stage=3, offload_param_frac=1.0,
+                               max_grad_norm=0.5, chunk_size=CHUNK)
+    assert report["plan"].effective_stage == 3 and len(report["plan"].offloaded_chunks) == 6
 
 
 def _checkpoint_worker(path):
