@@ -48,6 +48,8 @@ CASES = ("zero3_vs_fsdp2", "zero3_vs_fsdp2_narrow", "zero0_vs_ddp", "one_rank_vs
 PREDICTED = (("zero-0", {"dp": 2}, dict(zero_stage=0)), ("zero-1", {"dp": 2}, dict(zero_stage=1)),
              ("zero-2", {"dp": 2}, dict(zero_stage=2)), ("zero-3", {"dp": 2}, dict(zero_stage=3)),
              ("zero-3 full recompute", {"dp": 2}, dict(zero_stage=3, activation_checkpointing="full")),
+             ("zero-3 selective recompute", {"dp": 2}, dict(zero_stage=3, activation_checkpointing="selective")),
+             ("zero-3 recompute every 2nd block", {"dp": 2}, dict(zero_stage=3, activation_checkpointing=2)),
              ("tp=2 + SP", {"tp": 2}, dict(sequence_parallel=True)),
              ("pp=2 1F1B, 4 microbatches", {"pp": 2}, dict(schedule="1f1b", microbatches=4)))
 NARROW = dict(n_layer=24, n_head=4, n_embd=64)  # the 24-block narrow GPT (1.2M parameters)

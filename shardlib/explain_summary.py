@@ -170,7 +170,7 @@ def _where_lines(plan, items: list) -> list[str]:
 
 def _peak_lines(plan, tokens: int | None, activation_checkpointing, in_flight: float = 1,
                 accumulating: bool = False) -> list[str]:
-    if not tokens:
+    if tokens is None:
         return []
     from .memory_estimate import estimate_peak
 

@@ -63,6 +63,7 @@ class ActivationShape:
     dropout: bool
     element_size: int = 4
     first_block: str = ""  # the path of the first block held (its tensor-parallel layers stand for every block's)
+    block_paths: tuple[str, ...] = ()  # the blocks held, in order (which of them recompute: the plan's option)
 
 
 def activation_shape(model: nn.Module, param_names: list[str], blocks: list[str], element_size: int) -> ActivationShape | None:
@@ -78,7 +79,7 @@ def activation_shape(model: nn.Module, param_names: list[str], blocks: list[str]
     return ActivationShape(hidden=cfg.n_embd, heads=cfg.n_head, ffn=int(cfg.mlp_ratio * cfg.n_embd), vocab=cfg.vocab_size,
                            blocks=len(held), head=any(n.startswith(("ln_f.", "lm_head.")) for n in param_names),
                            dropout=cfg.dropout > 0 or cfg.attn_dropout > 0, element_size=element_size,
-                           first_block=held[0] if held else "")
+                           first_block=held[0] if held else "", block_paths=tuple(held))
 
 
 def block_elements(shape: ActivationShape) -> float:
@@ -122,12 +123,26 @@ class PeakEstimate:
                 f"  bytes: {self.total:,} (Korthikanti et al. 2022 activations; see shardlib.memory_estimate)"]
 
 
-def _recomputed(plan, activation_checkpointing: Any) -> str | None:
-    """``"full"``, ``"selective"`` or None: the recompute the estimate assumes."""
-    if activation_checkpointing is not None:
-        return activation_checkpointing or None
-    modes = {m for _, m in plan.activation_checkpointing}
-    return next(iter(modes)) if len(modes) == 1 else ("full" if modes else None)
+def _block_modes(plan, shape: ActivationShape, activation_checkpointing: Any) -> list[str | None]:
+    """Each held block's recompute (``"full"``, ``"selective"`` or None) under the plan's option,
+    or under ``activation_checkpointing`` when given: False (none), ``"full"``, ``"selective"``
+    (every block) or an int ``k`` (full recompute of blocks ``k, 2k, ...``, counting from 1).
+
+    Raises:
+        ValueError: another ``activation_checkpointing``.
+    """
+    n = len(shape.block_paths) or shape.blocks
+    if activation_checkpointing is None:
+        chosen = dict(plan.activation_checkpointing)
+        return [chosen.get(path) for path in shape.block_paths] if shape.block_paths else [None] * n
+    if activation_checkpointing is False:
+        return [None] * n
+    if activation_checkpointing in ("full", "selective"):
+        return [activation_checkpointing] * n
+    if isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool) and activation_checkpointing >= 1:
+        return ["full" if (i + 1) % activation_checkpointing == 0 else None for i in range(n)]
+    raise ValueError(f"peak estimate: activation_checkpointing must be None (the plan's own), False, 'full', 'selective' or "
+                     f"an int k >= 1 (every k-th block), got {activation_checkpointing!r}")
 
 
 def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_flight: float = 1,
@@ -166,7 +181,7 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
     tp = max((mesh[layer.axis] for layer in plan.tp_layers), default=1)
     sp = plan.sequence_parallel and tp > 1
     e, h = shape.element_size, shape.hidden
-    mode = _recomputed(plan, activation_checkpointing)
+    modes = _block_modes(plan, shape, activation_checkpointing)
     full_block = block_elements(shape)
     if sp:  # Korthikanti's 34sbh/t, plus what shardlib keeps whole: the gathered input of each group of
         # column layers (one all-gather per input, shared by its readers), where Megatron keeps the shard
@@ -175,11 +190,15 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
         full_block = full_block / tp + sum(n - n / tp for n in groups.values())
     elif tp > 1:  # the norms' inputs and outputs stay whole
         full_block = (full_block - 4 * h) / tp + 4 * h
-    per_block = h / (tp if sp else 1) if mode == "full" else full_block
+    split = tp if sp else 1
+    # full recompute keeps a block's input; selective also its matmul outputs (q, k, v, the
+    # attention projection, both MLP linears: 5 h + ffn, over t under tensor parallelism)
+    kept = {None: full_block, "full": h / split, "selective": h / split + (5 * h + shape.ffn) / tp}
     parallel_logits = any(layer.parallel_output for layer in plan.tp_layers)
     head = (2 * h + shape.vocab / (tp if parallel_logits else 1)) if shape.head else 0.0
-    activations = tokens * (shape.blocks * per_block + head) * e * in_flight
-    rebuilt = tokens * full_block * e if mode == "full" and shape.blocks else 0.0  # the top block's recompute
+    activations = tokens * (sum(kept[m] for m in modes) + head) * e * in_flight
+    # a recomputed block's backward holds its activations again: what it did not keep, rebuilt
+    rebuilt = tokens * max((full_block - kept[m] for m in modes if m), default=0.0) * e
     stage = plan.effective_stage
     gathered = 0
     if stage == 3 and plan.chunks:
@@ -194,7 +213,13 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
     else:
         at_end = sum(c.shard_numel * c.element_size for c in trainable) + 2 * one
     workspace = tokens * (h + shape.ffn) / (tp if sp else 1) * e if shape.blocks else 0.0
-    state = plan.param_bytes + plan.optimizer_bytes - plan.param_offload_bytes  # on the device (offloaded: host)
+    # on the device: parameters and optimizer state, less what lives in host memory (offloaded
+    # shards and their optimizer state; all optimizer state under optimizer_offload)
+    off = set(plan.offloaded_chunks)
+    host_params = sum(c.shard_numel * c.element_size for c in plan.chunks if c.index in off)
+    host_states = plan.optimizer_bytes if plan.optimizer_offload else plan.optimizer_states * sum(
+        c.shard_numel * c.element_size for c in plan.chunks if c.index in off and c.requires_grad)
+    state = plan.param_bytes - host_params + plan.optimizer_bytes - host_states
     # at the start of backward: stages 0-1 allocate the top chunk's whole buffer at its first
     # gradient; at stages 2-3 a chunk's gradients wait in autograd's tensors until it is packed
     # (Chunk.defer), growing as the block's activations are freed, so about none are held yet

@@ -216,7 +216,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "(all frozen, or none): there is nothing to optimize"
             )
         offload = smodel.plan.optimizer_offload if offload is None else bool(offload)
-        self.offload = OptimizerOffload(self._zero.optimizer_params()) if offload else None  # ZeRO-Offload
+        # ZeRO-Offload; shards already in host memory (offload_param_frac) are updated where they are
+        self.offload = OptimizerOffload(self._zero.optimizer_params(),
+                                        [c.offloaded for c in self._zero.chunks if c.trainable]) if offload else None
         params = self.offload.host_params if offload else self._zero.optimizer_params()
         if optimizer_cls is torch.optim.AdamW and _fusable_adamw(params, optimizer_kwargs):
             optimizer_cls = kernels.FusedAdamW  # one fused pass per shard, torch's state and state_dict

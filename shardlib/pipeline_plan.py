@@ -207,8 +207,10 @@ class PipelinePlan:
         modelled. ``tokens``: per microbatch per rank.
 
         Raises:
-            ValueError: ``tokens`` not a positive int.
+            ValueError: ``tokens`` not a positive int, or ``rank`` not in ``[0, p)``.
         """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.p:
+            raise ValueError(f"peak_estimate: rank must be a pp rank in [0, {self.p}), got {rank!r}")
         return self.stages[rank].peak_estimate(tokens, activation_checkpointing,
                                                in_flight=self.simulation.peak_stash[rank] / self.v, accumulating=self.m > 1)
 

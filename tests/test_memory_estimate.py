@@ -15,7 +15,7 @@ CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 def test_terms_follow_the_plan_and_the_formula():
     """Activations: blocks x 16 h x tokens x 4 B (Korthikanti's terms for this block) plus the
-    head (2 h + V); full recompute keeps h per block and rebuilds one block; ZeRO-3 adds the
+    head (2 h + V); full recompute keeps h per block and rebuilds one block's other 15 h; ZeRO-3 adds the
     search's gathered working set; stages 0-1 hold one chunk's gradient buffer at the start of
     backward, stages 2-3 none."""
     model = GPT(CFG)
@@ -36,7 +36,8 @@ def test_terms_follow_the_plan_and_the_formula():
     many = 16384  # enough tokens that the start of backward is the peak again
     full = plan.peak_estimate(many, activation_checkpointing="full")
     assert full.moment == "start of backward"
-    assert full.activations == many * (CFG.n_layer * h + 16 * h + 2 * h + CFG.vocab_size) * 4
+    # every block's input, plus what the recomputed top block did not keep (16 h - h), plus the head
+    assert full.activations == many * (CFG.n_layer * h + 15 * h + 2 * h + CFG.vocab_size) * 4
 
 
 def test_explain_prints_the_peak_and_says_when_it_cannot():
@@ -86,3 +87,33 @@ def test_sequence_parallel_block_saves_one_gathered_input_per_group():
         assert expected <= inside <= 1.01 * expected, inside / expected
         head = tokens * (2 * h + CFG.vocab_size) * 4
         assert est.activations == expected + head
+
+
+def test_every_kth_block_offload_and_bad_arguments():
+    """Recompute of every k-th block counts each block by its own mode (k=2: two blocks keep h,
+    two keep 16 h); the model state on the device excludes offloaded shards and their optimizer
+    state, and all optimizer state under optimizer_offload (never below 0); bad arguments raise."""
+    model, tokens, h = GPT(CFG), 256, CFG.n_embd
+    mesh = AbstractMesh({"dp": 2})
+    head = 2 * h + CFG.vocab_size
+    k2 = shardlib.plan(model, mesh, zero_stage=3, activation_checkpointing=2).peak_estimate(tokens)
+    assert k2.activations == tokens * (2 * h + 2 * 16 * h + 15 * h + head) * 4
+    plain = shardlib.plan(model, mesh, zero_stage=3)
+    assert plain.peak_estimate(tokens, activation_checkpointing=2).activations == k2.activations
+    assert plain.peak_estimate(tokens, activation_checkpointing=4).activations == tokens * (3 * 16 * h + h + 15 * h + head) * 4
+    for options in (dict(offload_param_frac=1.0), dict(offload_param_frac=1.0, optimizer_offload=True),
+                    dict(optimizer_offload=True), dict(offload_param_frac=0.5)):
+        plan = shardlib.plan(model, mesh, zero_stage=3, **options)
+        est = plan.peak_estimate(tokens)
+        device_grads = plan.grad_bytes - sum(c.shard_numel * c.element_size for c in plan.chunks
+                                             if c.index in plan.offloaded_chunks)
+        assert est.state >= 0 and est.state == plan.device_state_bytes - device_grads, options
+    for bad in ("garbage", "FULL", True, 0, lambda path, m: True):
+        with pytest.raises(ValueError, match="activation_checkpointing must be"):
+            plain.peak_estimate(tokens, activation_checkpointing=bad)
+    with pytest.raises(ValueError, match="tokens must be a positive int"):
+        plain.explain(tokens=0)
+    pipe = shardlib.plan(GPT(CFG), AbstractMesh({"pp": 2}), schedule="1f1b", microbatches=4)
+    for rank in (-1, 2, True):
+        with pytest.raises(ValueError, match="rank must be a pp rank"):
+            pipe.peak_estimate(64, rank)

@@ -152,3 +152,30 @@ def test_checkpoint_of_offloaded_shards_resumes_exactly(tmp_path):
     go to host memory): the next step's loss and the weights after it equal the saving run's."""
     for runs in run_on(2, _checkpoint_worker, str(tmp_path)):
         assert runs == {"offloaded": (True, True), "plain": (True, True)}, runs
+
+
+def _with_optimizer_offload_worker():
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_make(), mesh, zero_stage=3, offload_param_frac=0.5, optimizer_offload=True, chunk_size=CHUNK)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+    x, y = _batch()
+    smodel(x[:2], y[:2])[1].backward()
+    opt.step()
+    off = [c for c in smodel._zero.chunks if c.offloaded]
+    copied = [p for p in opt.offload.device_params if any(p is c.opt_param for c in off)]
+    shards = sum(c.shard.nbytes + c.grad_shard.nbytes for c in off)
+    host = shards + sum(opt.offload.host_bytes(opt.optimizer).values())
+    return len(off), len(copied), host, smodel.plan.host_bytes
+
+
+@pytest.mark.multiprocess
+def test_with_optimizer_offload_an_offloaded_shard_is_not_copied_again():
+    """optimizer_offload=True with offload_param_frac: ZeRO-Offload's host copies are made only
+    of the shards still on the device; an offloaded shard is updated where it is. The host bytes
+    measured after a step equal plan.host_bytes (before: a second master and gradient copy of
+    every offloaded shard, 1.5 x). Training with both equals one process."""
+    for n_off, copied, host, planned in run_on(2, _with_optimizer_offload_worker):
+        assert n_off > 0 and copied == 0 and host == planned, (n_off, copied, host, planned)
+    assert_equivalent(_make, {"dp": 2}, None, _batch(), steps=2, zero_stage=3, offload_param_frac=0.5,
+                      optimizer_offload=True, chunk_size=CHUNK)

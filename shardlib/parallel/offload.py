@@ -354,20 +354,28 @@ class OptimizerOffload:
 
     Args:
         params: the device tensors the optimizer would update (with ``.grad`` set).
+        on_host: per parameter, whether it already lives in host memory (a ZeRO-3 shard under
+            ``offload_param_frac``): it is its own host copy, with no copies around the step.
     """
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], on_host: list[bool] | None = None):
         pin = torch.cuda.is_available()
-        self.device_params = list(params)
-        self.host_params: list[nn.Parameter] = []
-        for p in self.device_params:
+        on_host = list(on_host or [False] * len(params))
+        self.host_params: list[nn.Parameter] = []  # in ``params`` order (the optimizer's state_dict order)
+        self.device_params, self._copied = [], []  # the ones copied around each step, and their host copies
+        for p, already in zip(params, on_host):
+            if already:
+                self.host_params.append(p)
+                continue
+            self.device_params.append(p)
             host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
             host.copy_(p.detach())
             hp = nn.Parameter(host, requires_grad=True)
             hp.grad = torch.zeros(p.shape, dtype=p.grad.dtype if p.grad is not None else p.dtype, device="cpu", pin_memory=pin)
             self.host_params.append(hp)
+            self._copied.append(hp)
         self._versions = [p._version for p in self.device_params]
-        self._grad_versions = [p.grad._version for p in self.host_params]
+        self._grad_versions = [p.grad._version for p in self._copied]
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -381,33 +389,33 @@ class OptimizerOffload:
             RuntimeError: a host gradient was modified since the last step (e.g. unscaled by a
                 GradScaler): the device gradients are the ones clipped and copied here.
         """
-        if any(hp.grad._version != v for hp, v in zip(self.host_params, self._grad_versions)):
+        if any(hp.grad._version != v for hp, v in zip(self._copied, self._grad_versions)):
             raise RuntimeError(
                 "optimizer offload: the host gradient buffers were modified outside step() (a GradScaler's unscale_?). "
                 "Gradients live on the device until step() copies them; GradScaler with optimizer offload is not supported"
             )
-        for i, (dp, hp) in enumerate(zip(self.device_params, self.host_params)):
+        for i, (dp, hp) in enumerate(zip(self.device_params, self._copied)):
             if dp._version != self._versions[i]:
                 hp.data.copy_(dp.detach(), non_blocking=True)
             hp.grad.copy_(dp.grad, non_blocking=True)
         if any(p.device.type == "cuda" for p in self.device_params):
             torch.cuda.synchronize()  # the host update reads the gradients
         optimizer.step()
-        for dp, hp in zip(self.device_params, self.host_params):
+        for dp, hp in zip(self.device_params, self._copied):
             dp.data.copy_(hp.detach(), non_blocking=True)
         self._versions = [p._version for p in self.device_params]
-        self._grad_versions = [p.grad._version for p in self.host_params]
+        self._grad_versions = [p.grad._version for p in self._copied]
 
     @torch.no_grad()
     def reload(self) -> None:
         """Copy the device shards into the host copies (after parameters were loaded)."""
-        for dp, hp in zip(self.device_params, self.host_params):
+        for dp, hp in zip(self.device_params, self._copied):
             hp.data.copy_(dp.detach())
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Measured host bytes: master copies, gradient copies and the optimizer's state tensors."""
-        out = {"params": sum(p.numel() * p.element_size() for p in self.host_params),
-               "grads": sum(p.grad.numel() * p.grad.element_size() for p in self.host_params)}
+        out = {"params": sum(p.numel() * p.element_size() for p in self._copied),  # (offloaded shards: the runtime's)
+               "grads": sum(p.grad.numel() * p.grad.element_size() for p in self._copied)}
         states = 0
         if optimizer is not None:
             for state in optimizer.state.values():

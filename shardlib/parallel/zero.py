@@ -120,6 +120,8 @@ class ZeroRuntime(ParameterGathering, FullTensors):
                     self._grad_views.add(chunk, prm, off)
         self._trainable_order = [c for c in reversed(self.chunks) if c.trainable]
         self._next_reduce = 0
+        self._launched: set[int] = set()  # chunks whose reduction this backward has started
+        self._names = {id(p): n for n, p in by_name.items()}
         self._callback_queued = False
         self._hooks = []
         self._view_hooks = ViewHooks(self._on_grad_ready, self._grad_views)  # silenced inside no_sync()
@@ -185,6 +187,8 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             self._queue_callback()
         key = id(prm)
         chunk = self.param_chunk[key]
+        if chunk.index in self._launched:
+            self._refuse_late_gradient(prm)
         view = self._grad_views.get(key)
         if view is not None:  # stage 0: the gradient lives in the chunk, seen as ``prm.grad``
             self._adopt(chunk, prm, view)
@@ -207,6 +211,25 @@ class ZeroRuntime(ParameterGathering, FullTensors):
             if self.stage == 3:
                 self._free(chunk)
             self._launch_ready()
+
+    def _refuse_late_gradient(self, prm: nn.Parameter) -> None:
+        """A gradient for a chunk whose reduction this backward already started: the parameter's
+        gradient arrives in parts, which happens when a module is used several times and a
+        reentrant ``torch.utils.checkpoint`` surrounds some uses (each reentrant checkpoint runs
+        a backward of its own, firing the parameter's hook once per part). The reduction would
+        miss the later parts, so the backward stops here, on every rank alike (the same graph).
+        A backward retried on a retained graph after one raised, with no ``zero_grad()`` between
+        (which recovers), is stopped here too: its chunks count as started."""
+        from ..errors import ShardingError
+
+        raise ShardingError(
+            f"parameter '{self._names.get(id(prm), '?')}' received another part of its gradient after its chunk's "
+            "gradient reduction had started in this backward: a module used several times, with a reentrant "
+            "torch.utils.checkpoint around some of its uses, gets its gradient in parts, and the reduced gradient "
+            "would miss the later ones. Fix: non-reentrant checkpointing (use_reentrant=False, torch's default; "
+            "Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+            "shard(..., activation_checkpointing=...). (A backward run again on a retained graph after one raised looks "
+            "the same from here: call zero_grad() before retrying it.)")
 
     def _begin_accumulation(self, chunk: Chunk) -> None:
         """Stage 1, a sync backward after an earlier one without ``zero_grad``: keep the reduced
@@ -233,6 +256,7 @@ class ZeroRuntime(ParameterGathering, FullTensors):
                 # at the end of backward (stages 2-3: every chunk's was alive at once)
                 self._finish_reduce(self._trainable_order[self._next_reduce - 1])
             self._launch_reduce(chunk)
+            self._launched.add(chunk.index)
             self._next_reduce += 1
 
     def _adopt_grads(self, chunk: Chunk) -> None:
@@ -340,6 +364,7 @@ class ZeroRuntime(ParameterGathering, FullTensors):
     def _forget_backward(self) -> None:
         """The per-backward state back to its start (a backward's end, or a raised one's)."""
         self._tp_sums.end_backward()
+        self._launched = set()
         for chunk in self.chunks:
             chunk.ready.clear()
             if chunk.pending:  # no reduction this backward (no_sync): pack them for the next to add to
@@ -375,6 +400,7 @@ class ZeroRuntime(ParameterGathering, FullTensors):
         for chunk in self.chunks:
             self._finish_reduce(chunk)
         self._next_reduce = 0
+        self._launched = set()
         self.unsynced = False
 
     def local_grad_view(self, prm: nn.Parameter) -> torch.Tensor:
