@@ -188,6 +188,7 @@ class Chunk:
             self.opt_param = nn.Parameter(self.shard, requires_grad=True)
         self.gathered = True
         self.gather_handle = None
+        self.copy_event = None  # CUDA, offloaded: the side stream's copy-in of the shard (parallel/gather.py)
         self.reduce_handle = None
         self.reduce_tmp: torch.Tensor | None = None
         self.ready: set[int] = set()

@@ -79,8 +79,10 @@ class ParameterGathering:
         copied into the full buffer's own slot (cast to the compute dtype), then all-gathered in
         place. On CUDA the copy (from pinned memory) and the all-gather are issued on a side
         stream that first waits for the compute stream's work so far (the buffer's memory may
-        be a freed chunk's), so the copy overlaps the compute issued after it; the all-gather's
-        wait (:meth:`_wait`) orders the compute stream after both. On CPU: a plain copy."""
+        be a freed chunk's), so the copy overlaps the compute issued after it; :meth:`_wait` orders
+        the compute stream after the all-gather and after an event recorded on the side stream
+        (on one data rank the all-gather moves nothing, and the event is all there is to wait
+        for). On CPU: a plain copy."""
         slot = chunk.full[chunk.slot]
         stream = None
         if chunk.full.is_cuda:
@@ -92,11 +94,18 @@ class ParameterGathering:
             slot.copy_(chunk.shard, non_blocking=chunk.pinned)
             chunk.gather_handle = raw_all_gather(chunk.full, slot, self.mesh, self.axes, async_op=True,
                                                  note=f"chunk {chunk.index}")
+            if stream is not None:  # one data rank gathers nothing to wait for: the wait is on the copy itself
+                chunk.copy_event = torch.cuda.Event()
+                chunk.copy_event.record(stream)
 
     def _wait(self, chunk: Chunk) -> None:
         if chunk.gather_handle is not None:
             chunk.gather_handle.wait()
             chunk.gather_handle = None
+        event = getattr(chunk, "copy_event", None)
+        if event is not None:  # (CUDA: the compute stream waits for the side stream's copy-in)
+            torch.cuda.current_stream(chunk.full.device).wait_event(event)
+            chunk.copy_event = None
 
     def _free(self, chunk: Chunk) -> None:
         if not chunk.gathered or self.stage != 3:
