@@ -48,8 +48,8 @@ class ActivationShape:
 
     Attributes:
         hidden: ``h``, the residual stream width. heads: ``a``. ffn: the MLP hidden width.
-        vocab: the vocabulary (the log-softmax output's width). blocks: transformer blocks this
-        plan holds (a pipeline stage: its own). head: whether it holds the final norm and the
+        vocab: the vocabulary (the log-softmax output's width). block_paths: the transformer
+        blocks this plan holds (a pipeline stage: its own). head: whether it holds the final norm and the
         LM head. dropout: any dropout probability above 0 (the formula's masks are saved).
         element_size: bytes per activation element (the compute dtype's).
     """
@@ -58,12 +58,19 @@ class ActivationShape:
     heads: int
     ffn: int
     vocab: int
-    blocks: int
+    block_paths: tuple[str, ...]  # the blocks held, in order (which of them recompute: the plan's option)
     head: bool
     dropout: bool
     element_size: int = 4
-    first_block: str = ""  # the path of the first block held (its tensor-parallel layers stand for every block's)
-    block_paths: tuple[str, ...] = ()  # the blocks held, in order (which of them recompute: the plan's option)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_paths)
+
+    @property
+    def first_block(self) -> str:
+        """The first block held (its tensor-parallel layers stand for every block's), or ``""``."""
+        return self.block_paths[0] if self.block_paths else ""
 
 
 def activation_shape(model: nn.Module, param_names: list[str], blocks: list[str], element_size: int) -> ActivationShape | None:
@@ -77,9 +84,8 @@ def activation_shape(model: nn.Module, param_names: list[str], blocks: list[str]
     cfg = model.config
     held = [b for b in blocks if any(n.startswith(b + ".") for n in param_names)]
     return ActivationShape(hidden=cfg.n_embd, heads=cfg.n_head, ffn=int(cfg.mlp_ratio * cfg.n_embd), vocab=cfg.vocab_size,
-                           blocks=len(held), head=any(n.startswith(("ln_f.", "lm_head.")) for n in param_names),
-                           dropout=cfg.dropout > 0 or cfg.attn_dropout > 0, element_size=element_size,
-                           first_block=held[0] if held else "", block_paths=tuple(held))
+                           block_paths=tuple(held), head=any(n.startswith(("ln_f.", "lm_head.")) for n in param_names),
+                           dropout=cfg.dropout > 0 or cfg.attn_dropout > 0, element_size=element_size)
 
 
 def block_elements(shape: ActivationShape) -> float:
@@ -131,10 +137,10 @@ def _block_modes(plan, shape: ActivationShape, activation_checkpointing: Any) ->
     Raises:
         ValueError: another ``activation_checkpointing``.
     """
-    n = len(shape.block_paths) or shape.blocks
+    n = shape.blocks
     if activation_checkpointing is None:
         chosen = dict(plan.activation_checkpointing)
-        return [chosen.get(path) for path in shape.block_paths] if shape.block_paths else [None] * n
+        return [chosen.get(path) for path in shape.block_paths]
     if activation_checkpointing is False:
         return [None] * n
     if activation_checkpointing in ("full", "selective"):
@@ -213,13 +219,9 @@ def estimate_peak(plan, tokens: int, activation_checkpointing: Any = None, in_fl
     else:
         at_end = sum(c.shard_numel * c.element_size for c in trainable) + 2 * one
     workspace = tokens * (h + shape.ffn) / (tp if sp else 1) * e if shape.blocks else 0.0
-    # on the device: parameters and optimizer state, less what lives in host memory (offloaded
-    # shards and their optimizer state; all optimizer state under optimizer_offload)
-    off = set(plan.offloaded_chunks)
-    host_params = sum(c.shard_numel * c.element_size for c in plan.chunks if c.index in off)
-    host_states = plan.optimizer_bytes if plan.optimizer_offload else plan.optimizer_states * sum(
-        c.shard_numel * c.element_size for c in plan.chunks if c.index in off and c.requires_grad)
-    state = plan.param_bytes - host_params + plan.optimizer_bytes - host_states
+    # parameters and optimizer state on the device (plan.device_state_bytes less its gradients,
+    # which are released at zero_grad and counted above as in flight)
+    state = plan.device_state_bytes - (plan.grad_bytes - plan.offloaded_shard_bytes(trainable=True))
     # at the start of backward: stages 0-1 allocate the top chunk's whole buffer at its first
     # gradient; at stages 2-3 a chunk's gradients wait in autograd's tensors until it is packed
     # (Chunk.defer), growing as the block's activations are freed, so about none are held yet

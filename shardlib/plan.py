@@ -26,6 +26,7 @@ from .lowering import lower, refuse_lowered
 from .options import DEFAULT_CHUNK_SIZE, check_fused_patterns, check_model_and_mesh, check_options
 from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axis, plan_pipeline
 from .chunking import ChunkSearch, param_units, search_chunk_size
+from .plan_bytes import PlanBytes
 from .plan_items import ChunkPlan, ParamPlan, pack_chunks, plan_entries
 from .parallel.recompute import find_blocks, resolve_activation_checkpointing
 from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
@@ -36,7 +37,7 @@ __all__ = ["Plan", "ParamPlan", "ChunkPlan", "plan", "plan_module", "DEFAULT_CHU
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(PlanBytes):
     """A checked sharding plan: one :class:`ParamPlan` per parameter, chunks, costs.
 
     ``str(plan)`` / ``plan.explain()`` print the totals, then the per-parameter table; the cost
@@ -146,109 +147,6 @@ class Plan:
         if self.mesh is None or not self.data_axes:
             return 0
         return self.mesh.group_index(self.data_axes)  # the shard ZeRO gives this rank (its group rank)
-
-    @property
-    def param_bytes(self) -> int:
-        """Bytes of parameters stored per rank between steps (padding included).
-
-        With ``param_dtype`` (mixed precision) this is the masters plus the persistent compute
-        copies: stage 0 a full master and a full compute copy, stages 1-2 the master shard and a
-        full compute copy, stage 3 the master shard only (compute copies are gathered per use).
-        """
-        stage = self.effective_stage
-        total = 0
-        for c in self.chunks:
-            if stage == 3:
-                total += c.shard_numel * c.element_size
-            elif not c.mixed_compute:
-                total += c.padded_numel * c.element_size
-            else:
-                total += (c.padded_numel if stage == 0 else c.shard_numel) * c.element_size
-                total += c.padded_numel * c.compute_element_size
-        return total
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of gradients stored per rank between backward and step (in the master dtype;
-        with a ``reduce_dtype`` other than the master's, stage 1 keeps only its shard). Every
-        stage releases them at ``zero_grad`` (with ``set_to_none``, the default, as plain
-        PyTorch and FSDP2)."""
-        stage = self.effective_stage
-        total = 0
-        for c in self.chunks:
-            if c.requires_grad:
-                full = stage == 0 or (stage == 1 and not c.separate_grads)
-                total += (c.padded_numel if full else c.shard_numel) * c.element_size
-        return total
-
-    @property
-    def optimizer_bytes(self) -> int:
-        """Bytes of optimizer state per rank (``optimizer_states`` tensors per element; AdamW: 2)."""
-        stage = self.effective_stage
-        per = [c.shard_numel if stage >= 1 else c.padded_numel for c in self.chunks if c.requires_grad]
-        size = [c.element_size for c in self.chunks if c.requires_grad]
-        return self.optimizer_states * sum(n * s for n, s in zip(per, size))
-
-    @property
-    def model_state_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-    @property
-    def offloaded_chunks(self) -> tuple[int, ...]:
-        """Indices of the chunks whose ZeRO-3 shard lives in host memory (``offload_param_frac``,
-        ColossalAI Gemini's ``offload_param_frac``, ZeRO-Infinity's parameter offload): chunks in
-        index order until their shard bytes reach the fraction of all shard bytes (every chunk
-        at 1.0, none at 0). The same on every rank."""
-        if self.offload_param_frac <= 0 or self.effective_stage != 3:
-            return ()
-        sizes = [c.shard_numel * c.element_size for c in self.chunks]
-        goal, total, out = self.offload_param_frac * sum(sizes), 0, []
-        for c, size in zip(self.chunks, sizes):
-            if total >= goal:
-                break
-            out.append(c.index)
-            total += size
-        return tuple(out)
-
-    @property
-    def param_offload_bytes(self) -> int:
-        """Host bytes per rank of the offloaded chunks: their shards, their gradient shards and
-        (where the optimizer updates them on the host) their optimizer state."""
-        off = set(self.offloaded_chunks)
-        chunks = [c for c in self.chunks if c.index in off]
-        shards = sum(c.shard_numel * c.element_size for c in chunks)
-        trainable = sum(c.shard_numel * c.element_size for c in chunks if c.requires_grad)
-        return shards + trainable * (1 + self.optimizer_states)
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes per rank in host memory: under ``optimizer_offload`` (ZeRO-Offload) the optimizer
-        state, a master copy of the shards the optimizer updates and their gradients; with
-        ``offload_param_frac`` the offloaded chunks' :attr:`param_offload_bytes` (their optimizer
-        state once); else 0."""
-        total = self.param_offload_bytes
-        if self.optimizer_offload:
-            stage = self.effective_stage
-            off = set(self.offloaded_chunks)
-            master = sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size for c in self.chunks
-                         if c.requires_grad and c.index not in off)
-            on_device = [c for c in self.chunks if c.requires_grad and c.index not in off]
-            states = self.optimizer_states * sum((c.shard_numel if stage >= 1 else c.padded_numel) * c.element_size
-                                                 for c in on_device)
-            total += states + 2 * master
-        return total
-
-    @property
-    def device_state_bytes(self) -> int:
-        """Model-state bytes per rank on the compute device: ``model_state_bytes`` less the
-        optimizer state when it is offloaded and less :attr:`param_offload_bytes`."""
-        offloaded = self.param_offload_bytes
-        states = self.optimizer_bytes if self.optimizer_offload else 0
-        if self.optimizer_offload and offloaded:  # the offloaded chunks' state is in both figures: once
-            off = set(self.offloaded_chunks)
-            states -= self.optimizer_states * sum(c.shard_numel * c.element_size for c in self.chunks
-                                                  if c.requires_grad and c.index in off)
-        return self.model_state_bytes - states - offloaded
 
     def comm_per_step(self, micro_steps: int = 1, clip: bool = False, tokens: int | None = None) -> dict[tuple[str, str], tuple[int, float]]:
         """Predicted ``{(axis, kind): (calls, bytes per rank)}`` for one training step; see
