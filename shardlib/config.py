@@ -77,12 +77,13 @@ SCHEMA: dict[str, dict[str, tuple[tuple, Any]]] = {
     },
     "data": {
         "source": ((str,), "embedded"), "files": ((tuple, list), ()), "tokenizer": ((str,), "bytes"),
-        "val_fraction": (_NUM, 0.1),
+        "val_files": ((tuple, list), ()), "val_fraction": (_NUM, 0.1),
     },
     "train": {
         "steps": ((int,), 100), "global_batch": ((int,), 8), "seq_len": ((int,), 64), "grad_accum": ((int,), 1),
         "param_dtype": ((str, type(None)), None), "eval_interval": ((int,), 0), "eval_steps": ((int,), 4),
-        "log_interval": ((int,), 10), "seed": ((int,), 0),
+        "log_interval": ((int,), 10), "seed": ((int,), 0), "out_dir": ((str, type(None)), None),
+        "tensorboard": ((bool,), True), "peak_tflops": ((*_NUM, type(None)), None),
     },
     "checkpoint": {
         "dir": ((str, type(None)), None), "interval": ((int,), 0), "keep_last": ((int,), 2), "resume": ((bool,), False),

@@ -6,11 +6,12 @@ import glob
 import os
 
 import pytest
+import torch
 
 import shardlib
 from shardlib.config import SCHEMA, Config, ConfigError, load_config
 from shardlib.mesh import AbstractMesh
-from shardlib.models import GPT, GPTConfig
+from shardlib.models import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,11 +67,19 @@ def test_missing_file():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))))
 def test_every_shipped_config_loads_and_plans(path):
-    """Each file in configs/ loads, and its model and parallel layout plan on an abstract mesh
-    of its shape (no processes: a layout for a cluster is checked here, not trained)."""
+    """Each file in configs/ loads, passes the training tool's cross-key checks, and its model
+    and parallel layout plan on an abstract mesh of its shape, with the specs and options the
+    tool passes (no processes: a layout for a cluster is checked here, not trained). A ``-1``
+    axis is planned at 2 ranks."""
+    import math
+
+    from shardlib.train.build import build_model, check_run, sharding
+
     cfg = load_config(path)
-    fields = {k: v for k, v in cfg.model.items() if k != "builder"}
-    p = cfg.parallel
-    options = {k: p[k] for k in ("zero_stage", "sequence_parallel", "offload_param_frac") if k in p}
-    plan = shardlib.plan(GPT(GPTConfig(**fields)), AbstractMesh(dict(p.mesh)), **options)
-    assert plan.params
+    world = math.prod(n if n != -1 else 2 for n in cfg.parallel.mesh.values())
+    shape = check_run(cfg, world)
+    specs, options = sharding(cfg, shape)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    plan = shardlib.plan(model, AbstractMesh(shape), specs, **options)
+    assert plan.params if hasattr(plan, "params") else plan.stages

@@ -17,7 +17,7 @@ def test_readme_has_exactly_two_setup_commands():
     commands = _commands()
     assert len(commands) == 2, commands
     main, tests = commands
-    assert "torchrun" in main and "examples/train_gpt.py" in main and "--zero-stage 3" in main
+    assert "torchrun" in main and "-m shardlib.train --config configs/embedded_default.py" in main
     assert "pytest" in tests
     for command in commands:
         assert 'torch==2.13.0' in command, "the CPU install must pin torch so no CUDA build is pulled"

@@ -53,12 +53,12 @@ from ..shard import ShardedModule
 from ..state_names import persistent_buffers
 from ._export import export_safetensors
 from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check_save_target, describe, failure_of,
-                     finish_partial, prepare_partial, read_marker, short_error, watched)
+                     finish_partial, prepare_partial, remove_checkpoint, read_marker, short_error, watched)
 from ._fit import fit_problems
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
 
-__all__ = ["save", "load", "export_safetensors", "latest", "CheckpointError", "MARKER"]
+__all__ = ["save", "load", "export_safetensors", "latest", "remove", "CheckpointError", "MARKER"]
 
 FORMAT_VERSION = 1
 
@@ -436,6 +436,16 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return dict(got.get("extra") or {})
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete the finished checkpoint at ``path`` (call on one process, e.g. rank 0): the
+    training tool's ``checkpoint.keep_last`` rotation. Nothing save() did not write is deleted.
+
+    Raises:
+        CheckpointError: ``path`` is not a finished shardlib checkpoint, or holds other files.
+    """
+    remove_checkpoint(os.fspath(path))
 
 
 def latest(folder: str | os.PathLike) -> str | None:

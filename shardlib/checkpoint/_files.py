@@ -27,7 +27,7 @@ from torch.futures import Future
 from ..errors import ShardingError
 
 __all__ = ["CheckpointError", "MARKER", "PARTIAL", "OLD", "read_marker", "check_save_target", "check_parent",
-           "prepare_partial", "finish_partial", "agree", "watched", "failure_of", "describe", "short_error", "Reader"]
+           "prepare_partial", "finish_partial", "remove_checkpoint", "agree", "watched", "failure_of", "describe", "short_error", "Reader"]
 
 MARKER = "shardlib_checkpoint.json"  # written last: its presence means the save finished
 OWNER = ".shardlib_partial.json"  # written first into <path>.partial: the folder is ours to remove
@@ -187,6 +187,26 @@ def _foreign_entries(folder: str) -> list[str]:
         return []
     ours = {".metadata", MARKER, OWNER, MARKER + ".tmp"}
     return sorted(n for n in os.listdir(folder) if n not in ours and not n.endswith(".distcp"))
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete the finished checkpoint folder ``path`` (one process: rank 0).
+
+    Raises:
+        CheckpointError: ``path`` is not a finished shardlib checkpoint (a user's folder or file, a
+            link, an unfinished save), or holds entries save() did not write; nothing is deleted.
+    """
+    kind, what = _what(path)
+    if kind != "checkpoint":
+        raise CheckpointError(f"checkpoint.remove({path!r}): it is {what}; only a finished shardlib checkpoint is "
+                              f"removed")
+    foreign = _foreign_entries(path)
+    if foreign:
+        raise CheckpointError(f"checkpoint.remove({path!r}): the checkpoint also holds {', '.join(foreign[:4])}"
+                              f"{', ...' if len(foreign) > 4 else ''}, which save() did not write; it is kept. Fix: "
+                              f"move them out to let it be removed")
+    os.remove(os.path.join(path, MARKER))  # first: a removal stopped midway leaves no loadable-looking folder
+    shutil.rmtree(path)
 
 
 # -- rank 0's folder work -----------------------------------------------------------------------

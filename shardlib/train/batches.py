@@ -1,0 +1,109 @@
+"""The training tool's data: a corpus from the config's ``data`` section and its global batches.
+
+Batch ``k`` of a run is drawn from a generator seeded with ``(seed, k)`` alone, so it is the same
+on every rank and every mesh (each rank keeps its rows with :func:`shardlib.distribute`), and the
+data position a checkpoint stores is one number: a resumed run continues on exactly the next
+batch. Validation batches are a fixed set, the same at every evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..config import Config, ConfigError
+from ..data import ByteCorpus, default_corpus, load_corpus
+
+__all__ = ["SOURCES", "TOKENIZERS", "open_data", "Batches"]
+
+SOURCES = ("embedded", "files")
+TOKENIZERS = ("bytes",)
+_STRIDE = 1_000_003  # a prime: (seed, k) -> seed * _STRIDE + k does not collide for k < _STRIDE
+
+
+def open_data(data: Config) -> ByteCorpus:
+    """The corpus of a config's ``data`` section.
+
+    ``source="embedded"``: the Python standard library's own source (:func:`shardlib.data.default_corpus`).
+    ``source="files"``: ``files`` names one text file or folder (``*.txt``/``*.py`` under it),
+    held out as the files named in ``val_files`` or else the last ``val_fraction`` of the bytes
+    (:func:`shardlib.data.load_corpus`).
+
+    Raises:
+        ConfigError: an unknown source or tokenizer, ``files`` not one existing path, a
+            ``val_fraction`` outside (0, 1); each naming the key.
+    """
+    if data.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"config key 'data.tokenizer' is {data.tokenizer!r}; this version reads "
+                          f"{', '.join(TOKENIZERS)} (byte-level, vocabulary 256)")
+    if data.source not in SOURCES:
+        raise ConfigError(f"config key 'data.source' is {data.source!r}; the sources are: {', '.join(SOURCES)}")
+    if data.source == "embedded":
+        if data.files:
+            raise ConfigError(f"config key 'data.files' is {list(data.files)} but data.source is 'embedded' (the "
+                              f"standard library's source). Fix: data.source='files' to read them")
+        return default_corpus()
+    if len(data.files) != 1:
+        raise ConfigError(f"config key 'data.files' must name one text file or folder for data.source='files', got "
+                          f"{list(data.files)}")
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"config key 'data.val_fraction' must be in (0, 1), got {data.val_fraction}")
+    path = os.path.expanduser(str(data.files[0]))
+    if not os.path.exists(path):
+        raise ConfigError(f"config key 'data.files' names {path!r}, which does not exist")
+    return load_corpus(path, tuple(data.val_files), data.val_fraction)
+
+
+class Batches:
+    """Global next-token batches of a corpus, addressed by their index in the run.
+
+    Args:
+        corpus: the tokens (:class:`~shardlib.data.ByteCorpus`).
+        global_batch: B, sequences per optimizer step (all ranks together).
+        seq_len: T, tokens per sequence.
+        seed: the run's seed.
+
+    Raises:
+        ValueError: a split with ``seq_len`` tokens or fewer.
+    """
+
+    def __init__(self, corpus: ByteCorpus, global_batch: int, seq_len: int, seed: int):
+        self.corpus, self.global_batch, self.seq_len, self.seed = corpus, global_batch, seq_len, seed
+        self.next = 0  # the index of the next training batch: the data position
+
+    def _generator(self, index: int, split: int) -> torch.Generator:
+        return torch.Generator().manual_seed(((self.seed * 2 + split) * _STRIDE + index) % (2**63))
+
+    def train(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training batch ``index``: ``(x, y)`` int64 ``(B, T)``, ``y`` the next tokens of ``x``."""
+        return self.corpus.get_batch("train", self.global_batch, self.seq_len, self._generator(index, 0))
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.train(self.next)
+        self.next += 1
+        return batch
+
+    def val(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch ``index`` (the same windows at every evaluation): int64 ``(B, T)``."""
+        return self.corpus.get_batch("val", self.global_batch, self.seq_len, self._generator(index, 1))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, for a checkpoint: ``{"next": k, "seed": s, "global_batch": B, "seq_len": T}``."""
+        return dict(next=self.next, seed=self.seed, global_batch=self.global_batch, seq_len=self.seq_len)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved position.
+
+        Raises:
+            ConfigError: the checkpoint's seed, global batch or sequence length differ from this
+                run's (its next batch would not be the batch the run was going to see).
+        """
+        for key, mine in (("seed", self.seed), ("global_batch", self.global_batch), ("seq_len", self.seq_len)):
+            if state.get(key, mine) != mine:
+                where = "train.seed" if key == "seed" else f"train.{key}"
+                raise ConfigError(f"the checkpoint's data were drawn with {where}={state[key]}, this config has "
+                                  f"{mine}: the resumed run would not continue on the next batch. Fix: --set "
+                                  f"{where}={state[key]}")
+        self.next = int(state["next"])

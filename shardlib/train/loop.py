@@ -1,0 +1,271 @@
+"""The training loop of ``python -m shardlib.train``: one config in, a trained sharded model,
+its checkpoints and its metrics out.
+
+Each optimizer step draws the global batch ``(train.global_batch, train.seq_len)`` (the same on
+every rank and mesh, :class:`~shardlib.train.batches.Batches`), keeps this rank's rows, runs
+forward and backward (``train.grad_accum`` slices, all but the last under ``no_sync()``; on a
+pipeline mesh one ``forward_backward`` over ``parallel.microbatches``), clips to
+``optim.grad_clip`` and steps AdamW at the scheduled learning rate. The loss reported is the mean
+over the global batch, so a config gives the same curve on any mesh, to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import Config
+from .batches import Batches, open_data
+from .build import PEAK_TFLOPS, build_model, check_run, flops_per_token, sharding
+from .checkpoints import Checkpoints
+from .metrics import MetricsLog, peak_memory_mb
+from .schedule import learning_rate
+
+__all__ = ["Run", "train", "lm_criterion", "step_loss", "global_mean", "evaluate", "setup"]
+
+
+def lm_criterion(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits ``(B, T, V)`` against targets ``(B, T)`` (nats)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _local(batch: torch.Tensor, smodel: Any, device: torch.device) -> torch.Tensor:
+    """This rank's rows of a global ``(B, T)`` batch: local ``(B / data ranks, T)``."""
+    import shardlib
+
+    return shardlib.distribute(batch, smodel.mesh, smodel.batch_spec).to(device)
+
+
+def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, accum: int = 1) -> torch.Tensor:
+    """This rank's mean loss on its rows ``x``, ``y`` (local ``(b, T)``), with backward if asked.
+
+    Off a pipeline, ``accum`` slices of ``b / accum`` rows run one after the other, all but the
+    last backward inside ``smodel.no_sync()``, each loss scaled by ``1 / accum`` (the gradient
+    of the mean over the ``b`` rows). On a pipeline the schedule runs its microbatches and the
+    last stage's loss is shared with every stage (``accum`` must be 1).
+    """
+    import shardlib
+
+    if isinstance(smodel, shardlib.PipelineModule):
+        run = smodel.forward_backward if backward else smodel.evaluate
+        losses, _ = run(x, criterion=lm_criterion, labels=(y,))
+        loss = torch.stack(losses).mean() if losses is not None else torch.zeros((), device=x.device)
+        return shardlib.all_reduce(loss, smodel.pp_axis)  # zero on every stage but the last
+    total = torch.zeros((), device=x.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        sync = i == accum - 1 or not backward
+        with contextlib.nullcontext() if sync else smodel.no_sync():
+            _, loss = smodel(xs, ys)
+            if backward:
+                (loss / accum).backward()
+        total = total + loss.detach() / accum
+    return total
+
+
+def global_mean(loss: torch.Tensor, smodel: Any) -> float:
+    """A per-rank mean loss averaged over the data axes: the mean over the global batch."""
+    import shardlib
+
+    loss = loss.detach()
+    return (shardlib.all_reduce(loss, smodel.data_axes, op="avg") if smodel.data_axes else loss).item()
+
+
+@torch.no_grad()
+def evaluate(smodel: Any, batches: Batches, steps: int, device: torch.device) -> float:
+    """The validation loss (nats per token): the mean over ``steps`` fixed global batches."""
+    smodel.eval()
+    total = 0.0
+    for i in range(steps):
+        x, y = batches.val(i)
+        total += global_mean(step_loss(smodel, _local(x, smodel, device), _local(y, smodel, device), False), smodel)
+    smodel.train()
+    return total / steps
+
+
+@dataclass
+class Run:
+    """A run set up from a config: the mesh, the sharded model and its optimizer, the data, the
+    checkpoints. Built by :func:`setup` on every rank."""
+
+    cfg: Config
+    mesh: Any
+    smodel: Any
+    optimizer: Any
+    batches: Batches
+    checkpoints: Checkpoints
+    device: torch.device
+    flops_per_token: float
+    start: int = 0  # optimizer steps done (from a resumed checkpoint)
+    resumed_from: str | None = None
+    history: list = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.mesh.rank == 0
+
+    def set_lr(self, step: int) -> float:
+        o = self.cfg.optim
+        lr = learning_rate(step, o.lr, self.cfg.train.steps, o.warmup_steps, o.decay, o.min_lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def save(self, step: int) -> str:
+        extra = dict(step=step, data=self.batches.state_dict(), config=self.cfg.to_dict())
+        return self.checkpoints.save(step, self.smodel, self.optimizer, extra, self.is_main)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def setup(cfg: Config, world_size: int | None = None, log=print, load: str | None = None, verbose: bool = True) -> Run:
+    """Check ``cfg``, make the mesh, build, plan and shard the model, make the optimizer, and
+    load a checkpoint (every rank; under ``torchrun``).
+
+    Args:
+        cfg: the checked config.
+        world_size: the number of ranks (default: ``WORLD_SIZE``, else 1).
+        log: where rank 0's lines go.
+        load: a checkpoint to load (model and optimizer, resharded onto this mesh); None: the
+            newest one in ``checkpoint.dir`` when ``checkpoint.resume``, else none.
+        verbose: print the corpus, the model and the plan (rank 0).
+
+    Raises:
+        ConfigError: what :func:`~shardlib.train.build.check_run` and
+            :class:`~shardlib.train.checkpoints.Checkpoints` refuse, before any communication.
+        ShardingError: a plan the model cannot take (from :func:`shardlib.plan`).
+        CheckpointError: a checkpoint that does not fit the model.
+    """
+    import shardlib
+    from .. import checkpoint
+
+    if world_size is None:
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    shape = check_run(cfg, world_size)
+    checkpoints = Checkpoints(cfg.checkpoint, cfg.train.steps)
+    corpus = open_data(cfg.data)  # before the mesh: a bad path fails alike everywhere
+    mesh = shardlib.init_mesh(shape)
+    device = _device()
+    model = build_model(cfg)
+    if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
+        from ..config import ConfigError
+
+        raise ConfigError(f"config key 'model.vocab_size' ({model.config.vocab_size}) is below the tokenizer's "
+                          f"vocabulary ({corpus.vocab_size})")
+    fpt = flops_per_token(model, cfg.train.seq_len)
+    model = model.to(device)
+    specs, options = sharding(cfg, shape)
+    plan = shardlib.plan(model, mesh, specs, **options)
+    if mesh.rank == 0 and verbose:
+        log(str(corpus))
+        log(f"model: {model.num_params():,} parameters ({cfg.model.builder}), mesh {shape}, "
+            f"ZeRO stage {cfg.parallel.zero_stage}")
+        rows = cfg.train.global_batch // plan.data_size
+        per_pass = rows // (cfg.parallel.microbatches if shape.get("pp", 1) > 1 else cfg.train.grad_accum)
+        log(plan.explain(tokens=per_pass * cfg.train.seq_len))
+    smodel = plan.apply(model)
+    o = cfg.optim
+    optimizer = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=o.grad_clip or math.inf, lr=o.lr,
+                                       weight_decay=o.weight_decay, betas=tuple(o.betas))
+    batches = Batches(corpus, cfg.train.global_batch, cfg.train.seq_len, cfg.train.seed)
+    run = Run(cfg, mesh, smodel, optimizer, batches, checkpoints, device, fpt)
+    path = load if load is not None else checkpoints.latest()
+    if path is not None:
+        extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
+        run.start, run.resumed_from = int(extra["step"]), path
+        batches.load_state_dict(extra["data"])
+        if run.is_main:
+            log(f"{'loaded' if load is not None else 'resumed from'} {path} at step {run.start}")
+    elif cfg.checkpoint.resume and run.is_main:
+        log(f"checkpoint.resume: no checkpoint in {cfg.checkpoint.dir!r} yet; starting at step 0")
+    return run
+
+
+def _peak_flops(cfg: Config, device: torch.device) -> float | None:
+    if cfg.train.peak_tflops is not None:
+        return cfg.train.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return None
+
+
+def _out_dir(cfg: Config, config_path: str | None) -> str:
+    if cfg.train.out_dir is not None:
+        return os.path.expanduser(cfg.train.out_dir)
+    stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, Any]:
+    """Run the training a config describes (every rank, under ``torchrun``).
+
+    Args:
+        cfg: from :func:`shardlib.config.load_config`.
+        config_path: the config's file, for the default ``train.out_dir``
+            (``runs/<file stem>-<date-time>``, a new folder each run).
+        log: where rank 0's lines go.
+
+    Returns:
+        On every rank: ``{"history": [records], "val_loss": final validation loss, "out_dir": ...,
+        "start": first step run, "checkpoints": [paths saved]}``; a record is one step's metrics
+        (:mod:`shardlib.train.metrics`).
+
+    Raises:
+        ConfigError, ShardingError, CheckpointError: as :func:`setup`; FileExistsError: an
+            ``out_dir`` with another run's metrics (rank 0).
+    """
+    run = setup(cfg, log=log)
+    t = cfg.train
+    out_dir = _out_dir(cfg, config_path)
+    world = math.prod(run.mesh.shape.values())
+    peak = _peak_flops(cfg, run.device)
+    metrics = MetricsLog(out_dir, t.steps, t.log_interval, run.is_main, t.tensorboard,
+                         resume_from=run.start if run.resumed_from else None)
+    tokens = t.global_batch * t.seq_len
+    saved, val_loss = [], None
+    accum = t.grad_accum
+    try:
+        for step in range(run.start, t.steps):
+            t0 = time.perf_counter()
+            lr = run.set_lr(step)
+            x, y = next(run.batches)
+            loss = step_loss(run.smodel, _local(x, run.smodel, run.device), _local(y, run.smodel, run.device),
+                             True, accum)
+            run.optimizer.step()
+            run.optimizer.zero_grad()
+            loss = global_mean(loss, run.smodel)
+            dt = time.perf_counter() - t0
+            norm = run.optimizer.last_grad_norm
+            record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=None if norm is None else float(norm),
+                          tokens_per_s=tokens / dt, mfu=None if peak is None else tokens / dt * run.flops_per_token /
+                          (world * peak), peak_mem_mb=peak_memory_mb(run.device), val_loss=None)
+            if (t.eval_interval and (step + 1) % t.eval_interval == 0) or step + 1 == t.steps:
+                val_loss = record["val_loss"] = evaluate(run.smodel, run.batches, t.eval_steps, run.device)
+            metrics.log(record)
+            run.history.append(record)
+            if run.checkpoints.due(step + 1):
+                saved.append(run.save(step + 1))
+                metrics.write(f"step {step + 1}: checkpoint {saved[-1]}")
+        if run.start >= t.steps:
+            val_loss = evaluate(run.smodel, run.batches, t.eval_steps, run.device)
+            metrics.write(f"the checkpoint is at step {run.start} of train.steps={t.steps}: nothing to train; "
+                          f"val loss {val_loss:.4f}")
+    finally:
+        metrics.close()
+    if run.is_main:
+        vocab = run.batches.corpus.vocab_size
+        log(f"final val loss {val_loss:.4f} nats/token after {max(t.steps, run.start)} steps (a uniform guess over "
+            f"{vocab} tokens: {math.log(vocab):.4f})" + (f"; metrics: {metrics.path}" if metrics.path else ""))
+    return dict(history=run.history, val_loss=val_loss, out_dir=out_dir, start=run.start, checkpoints=saved)
