@@ -77,7 +77,8 @@ SCHEMA: dict[str, dict[str, tuple[tuple, Any]]] = {
     },
     "data": {
         "source": ((str,), "embedded"), "files": ((tuple, list), ()), "tokenizer": ((str,), "bytes"),
-        "val_files": ((tuple, list), ()), "val_fraction": (_NUM, 0.1),
+        "val_files": ((tuple, list), ()), "val_fraction": (_NUM, 0.1), "vocab_size": ((int,), 4096),
+        "cache_dir": ((str, type(None)), None),
     },
     "train": {
         "steps": ((int,), 100), "global_batch": ((int,), 8), "seq_len": ((int,), 64), "grad_accum": ((int,), 1),

@@ -145,6 +145,22 @@ def test_metrics_file_is_written_as_it_goes_and_never_replaced(tmp_path):
     assert "MFU 41.0%" in format_line(dict(rec(4), mfu=0.41), 4)
 
 
+def test_tensorboard_scalars_when_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(str(tmp_path), steps=2, log_interval=1, active=True, tensorboard=True,
+                     stream=open(os.devnull, "w"))
+    for s in (1, 2):
+        log.log(dict(step=s, loss=3.0 - s, lr=0.1, grad_norm=1.0, tokens_per_s=10.0, mfu=None, peak_mem_mb=1.0,
+                     val_loss=2.5 if s == 2 else None))
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [2.0, 1.0]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 2.5)]
+
+
 # -- the entry point under torchrun -------------------------------------------------------------
 
 def _tool(tmp_path, module, *args, nproc=2, fails=False):

@@ -19,12 +19,15 @@ from ..data import ByteCorpus, default_corpus, load_corpus
 __all__ = ["SOURCES", "TOKENIZERS", "open_data", "Batches"]
 
 SOURCES = ("embedded", "files")
-TOKENIZERS = ("bytes",)
+TOKENIZERS = ("bytes", "bpe")  # or the path of a tokenizer.json
 _STRIDE = 1_000_003  # a prime: (seed, k) -> seed * _STRIDE + k does not collide for k < _STRIDE
 
 
-def open_data(data: Config) -> ByteCorpus:
-    """The corpus of a config's ``data`` section.
+def open_data(data: Config, log=print):
+    """The corpus of a config's ``data`` section: a :class:`~shardlib.data.ByteCorpus` for
+    ``tokenizer="bytes"``, else a :class:`~shardlib.train.tokens.TokenCorpus` (``"bpe"``: a
+    byte-level BPE of ``data.vocab_size`` tokens learned on the training split; or the path of a
+    ``tokenizer.json``), pre-tokenized once into memory-mapped files (:mod:`shardlib.train.tokens`).
 
     ``source="embedded"``: the Python standard library's own source (:func:`shardlib.data.default_corpus`).
     ``source="files"``: ``files`` names one text file or folder (``*.txt``/``*.py`` under it),
@@ -35,9 +38,18 @@ def open_data(data: Config) -> ByteCorpus:
         ConfigError: an unknown source or tokenizer, ``files`` not one existing path, a
             ``val_fraction`` outside (0, 1); each naming the key.
     """
-    if data.tokenizer not in TOKENIZERS:
-        raise ConfigError(f"config key 'data.tokenizer' is {data.tokenizer!r}; this version reads "
-                          f"{', '.join(TOKENIZERS)} (byte-level, vocabulary 256)")
+    if data.tokenizer not in TOKENIZERS and not data.tokenizer.endswith(".json"):
+        raise ConfigError(f"config key 'data.tokenizer' is {data.tokenizer!r}; give 'bytes' (vocabulary 256), 'bpe' "
+                          f"(learned on the corpus, data.vocab_size tokens) or the path of a tokenizer.json")
+    corpus = _bytes(data)
+    if data.tokenizer == "bytes":
+        return corpus
+    from .tokens import tokenized
+
+    return tokenized(data, corpus, log=log)
+
+
+def _bytes(data: Config) -> ByteCorpus:
     if data.source not in SOURCES:
         raise ConfigError(f"config key 'data.source' is {data.source!r}; the sources are: {', '.join(SOURCES)}")
     if data.source == "embedded":

@@ -156,6 +156,9 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     if t.param_dtype is not None and t.param_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(f"config key 'train.param_dtype' must be 'bfloat16', 'float16', 'float32' or None, got "
                           f"{t.param_dtype!r}")
+    if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size > m.get("vocab_size", cfg.data.vocab_size):
+        raise ConfigError(f"config key 'model.vocab_size' ({m.vocab_size}) is below 'data.vocab_size' "
+                          f"({cfg.data.vocab_size}), the BPE vocabulary. Fix: --set model.vocab_size={cfg.data.vocab_size}")
     if m.builder == "gpt":
         if m.n_embd % m.n_head:
             raise ConfigError(f"config keys 'model.n_embd' ({m.n_embd}) and 'model.n_head' ({m.n_head}): n_embd must be "

@@ -152,7 +152,7 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     shape = check_run(cfg, world_size)
     checkpoints = Checkpoints(cfg.checkpoint, cfg.train.steps)
-    corpus = open_data(cfg.data)  # before the mesh: a bad path fails alike everywhere
+    corpus = open_data(cfg.data, log=log)  # before the mesh: a bad path fails alike everywhere
     mesh = shardlib.init_mesh(shape)
     device = _device()
     model = build_model(cfg)
