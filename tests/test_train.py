@@ -199,9 +199,9 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
     keys = ("step", "loss", "grad_norm", "lr", "val_loss")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight[2:]]  # bit for bit
     assert sorted(os.listdir(ck)) == ["step_000004"]  # keep_last=1 removed step 2 after step 4 was saved
-    # a second run into the same folder without resume is refused, naming the fix
-    out = _tool(tmp_path, "shardlib.train", *args, nproc=nproc, fails=True)
-    assert "already holds step_000004" in out and "checkpoint.resume=True" in out
+    if nproc == 2:  # a second run into the same folder without resume is refused, naming the fix
+        out = _tool(tmp_path, "shardlib.train", *args, nproc=nproc, fails=True)
+        assert "already holds step_000004" in out and "checkpoint.resume=True" in out
     # the checkpoint's validation loss, on another mesh: the training run's last figure
     res = tmp_path / "eval.json"
     out = _tool(tmp_path, "shardlib.eval", "--ckpt", str(ck), "--mesh", "dp=1,tp=2" if nproc == 2 else "pp=2,dp=2",
@@ -244,3 +244,41 @@ def test_one_config_gives_one_loss_curve_on_every_mesh():
             assert loss == pytest.approx(rloss, rel=2e-6), name
             assert norm == pytest.approx(rnorm, rel=2e-6), name
         assert val == pytest.approx(ref[1], rel=2e-6), name
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path):
+    """Two torchrun launchers ("nodes" of 2 ranks each on 127.0.0.1) meet through a c10d
+    rendezvous, as on a cluster; dp=2 x tp=2 (tp inside a node) trains like one process."""
+    port = _free_port()
+    overrides = [*SMALL, "parallel.mesh={'dp': 2, 'tp': 2}", "train.steps=3", "parallel.microbatches=2"]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "shardlib-test", "-m", "shardlib.train", "--config", DEFAULT,
+               *[f"--set={o}" for o in overrides], f"--set=train.out_dir={str(tmp_path / 'out')!r}"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    curve = [(r["loss"], r["grad_norm"]) for r in _records(tmp_path / "out" / "metrics.jsonl")]
+    ref = run_on(1, _curve, {"dp": 1})[0][0]
+    assert len(curve) == len(ref) == 3
+    for (loss, norm), (rloss, rnorm) in zip(curve, ref):
+        assert loss == pytest.approx(rloss, rel=2e-6) and norm == pytest.approx(rnorm, rel=2e-6)  # as the curve test

@@ -66,7 +66,8 @@ def validation_loss(run: Any) -> dict[str, Any]:
 
 
 def downstream(run: Any, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-               num_fewshot: int | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+               num_fewshot: int | None = None, batch_size: int = 8,
+               include_defaults: bool = True) -> dict[str, dict[str, float]]:
     """lm-eval scores of a run from :func:`open_checkpoint` on ``tasks`` (every rank; the same on each).
 
     Args:
@@ -76,6 +77,8 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
         limit: at most this many documents per task.
         num_fewshot: few-shot examples per prompt (lm-eval's default per task when None).
         batch_size: sequences per forward.
+        include_defaults: also index lm-eval's built-in tasks (False: only ``include_path``'s,
+            which skips indexing the thousands of built-in YAML files).
 
     Returns:
         ``{task: {metric: value}}`` (lm-eval's metric names, e.g. ``"acc,none"``).
@@ -90,7 +93,7 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
 
     lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=run.smodel.module.config.block_size,
                    batch_size=batch_size)
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     scores = None if out is None else {  # lm-eval reports on the process with LOCAL_RANK 0 only
@@ -128,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result here (rank 0)")
     p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (e.g. hellaswag,piqa,winogrande)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="a folder of extra lm-eval YAML tasks")
+    p.add_argument("--only-included", action="store_true", help="index only the --include-path tasks, not "
+                   "lm-eval's built-in ones (faster)")
     p.add_argument("--limit", type=positive_int, default=None, help="at most this many documents per task")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt")
     p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward in the lm-eval tasks")
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{out['mesh']}, {out['tokens']:,} held-out tokens")
     if args.tasks:
         out["tasks"] = downstream(run, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
-                                  args.num_fewshot, args.batch_size)
+                                  args.num_fewshot, args.batch_size, include_defaults=not args.only_included)
         if main_rank:
             for task, metrics in out["tasks"].items():
                 print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
