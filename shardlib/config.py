@@ -13,7 +13,9 @@ overrides. A shardlib config is a Python file that assigns its sections as dicts
 overrides written ``"train.steps=100"`` (the value read as a Python literal, else as a string),
 and refuses an unknown section or key, or a value of the wrong type, naming the key path and
 where it came from (the file, or the override). The ``model`` section's keys beyond ``builder``
-are the builder's: for ``builder="gpt"`` the fields of :class:`shardlib.models.GPTConfig`.
+are the builder's: for ``builder="gpt"`` the fields of :class:`shardlib.models.GPTConfig`; for
+``"llama"`` and ``"palm"`` those of :class:`shardlib.models.LlamaConfig` (PaLM: one key/value
+head and tied embeddings by default; its block is always parallel).
 """
 
 from __future__ import annotations
@@ -92,18 +94,36 @@ SCHEMA: dict[str, dict[str, tuple[tuple, Any]]] = {
 }
 
 
-def _gpt_fields() -> dict[str, tuple[tuple, Any]]:
-    from .models import GPTConfig
-
+def _fields(config_cls: type, **defaults: Any) -> dict[str, tuple[tuple, Any]]:
     out = {}
-    for f in dataclasses.fields(GPTConfig):
+    for f in dataclasses.fields(config_cls):
         kind = {"int": (int,), "float": _NUM, "bool": (bool,)}.get(str(f.type), (object,))
-        out[f.name] = (kind, f.default)
+        out[f.name] = (kind, defaults.get(f.name, f.default))
     return out
 
 
-# model builders: name -> the model section's keys beyond "builder" (types and defaults)
-BUILDERS = {"gpt": _gpt_fields}
+def _gpt_fields() -> dict[str, tuple[tuple, Any]]:
+    from .models import GPTConfig
+
+    return _fields(GPTConfig)
+
+
+def _llama_fields() -> dict[str, tuple[tuple, Any]]:
+    from .models import LlamaConfig
+
+    return {k: v for k, v in _fields(LlamaConfig).items() if k != "parallel_block"}
+
+
+def _palm_fields() -> dict[str, tuple[tuple, Any]]:
+    from .models import LlamaConfig
+
+    fields = _fields(LlamaConfig, n_kv_head=1, tie_embeddings=True)
+    return {k: v for k, v in fields.items() if k != "parallel_block"}
+
+
+# model builders: name -> the model section's keys beyond "builder" (types and defaults):
+# gpt: shardlib.models.GPTConfig; llama: LlamaConfig; palm: LlamaConfig with PaLM's defaults
+BUILDERS = {"gpt": _gpt_fields, "llama": _llama_fields, "palm": _palm_fields}
 
 
 def _type_ok(value: Any, kinds: tuple) -> bool:

@@ -45,7 +45,7 @@ def test_a_file_with_defaults_and_overrides(tmp_path):
     ("trian = dict(steps=10)\n", [], "assigns 'trian', which is not a section"),
     ("train = 5\n", [], "section 'train'"),
     ("model = dict(builder='gpt', n_layers=2)\n", [], "'model.n_layers'"),
-    ("model = dict(builder='palm')\n", [], "'model.builder'"),
+    ("model = dict(builder='bert')\n", [], "'model.builder'"),
     ("raise RuntimeError('boom')\n", [], "raised RuntimeError: boom"),
     ("", ["train.steps"], "must be written section.key=value"),
     ("", ["steps=3"], "must be written section.key=value"),

@@ -81,6 +81,8 @@ def test_batches_are_addressed_by_index_and_resume_on_the_next_one():
     (["optim.min_lr=1.0", "optim.lr=0.1"], 1, "0 <= min_lr <= lr"),
     (["train.param_dtype='half'"], 1, "'train.param_dtype' must be 'bfloat16'"),
     (["model.n_embd=100", "model.n_head=3"], 1, "n_embd must be divisible by n_head"),
+    (["model.builder='palm'", "parallel.mesh={'tp': 2}"], 2, r"'model.n_kv_head' \(1\) is not divisible by the tp"),
+    (["model.builder='llama'", "model.n_kv_head=3"], 1, "n_head must be divisible by n_kv_head"),
 ])
 def test_run_checks_name_the_keys(overrides, world, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -234,10 +236,18 @@ def test_one_config_gives_one_loss_curve_on_every_mesh():
     ref = run_on(1, _curve, {"dp": 1})[0]
     runs = {
         "dp=4": run_on(4, _curve, {"dp": 4})[0],
+        "llama dp=2,tp=2": None,
         "dp=2,tp=2": run_on(4, _curve, {"dp": 2, "tp": 2}, ["parallel.sequence_parallel=True"])[0],
         "pp=2,dp=2": run_on(4, _curve, {"pp": 2, "dp": 2})[0],
     }
+    # the LLaMA builder through the tool: its tensor-parallel specs and vocabulary-parallel logits
+    llama = ["model.builder='llama'", "model.n_kv_head=2"]
+    runs["llama dp=2,tp=2"] = run_on(4, _curve, {"dp": 2, "tp": 2}, [*llama, "parallel.sequence_parallel=True"])[0]
+    refs = {name: ref for name in runs}
+    refs["llama dp=2,tp=2"] = run_on(1, _curve, {"dp": 1}, llama)[0]
+    assert refs["llama dp=2,tp=2"][0] != ref[0]  # another model
     for name, (curve, val) in runs.items():
+        ref = refs[name]
         for (loss, norm), (rloss, rnorm) in zip(curve, ref[0]):
             # measured worst over the three meshes, default and avx2 kernels: loss 1.9e-7, grad norm
             # 9.5e-8, val 4.7e-8 relative (fp32 reduction order); 2e-6 is ten times that

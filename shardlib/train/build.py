@@ -74,19 +74,24 @@ def build_model(cfg: Config) -> nn.Module:
     Raises:
         ConfigError: an unknown builder.
     """
-    from ..models import GPT, GPTConfig
+    from ..models import GPT, GPTConfig, Llama, LlamaConfig, PaLMConfig
 
-    if cfg.model.builder != "gpt":
-        raise ConfigError(f"config key 'model.builder' is {cfg.model.builder!r}; the builders are: gpt")
     torch.manual_seed(cfg.train.seed)
-    return GPT(GPTConfig(**_model_fields(cfg)))
+    fields = _model_fields(cfg)
+    if cfg.model.builder == "gpt":
+        return GPT(GPTConfig(**fields))
+    if cfg.model.builder == "llama":
+        return Llama(LlamaConfig(**fields))
+    if cfg.model.builder == "palm":
+        return Llama(PaLMConfig(**fields))
+    raise ConfigError(f"config key 'model.builder' is {cfg.model.builder!r}; the builders are: gpt, llama, palm")
 
 
 def sharding(cfg: Config, shape: dict[str, int]) -> tuple[dict, dict[str, Any]]:
     """``(specs, options)`` for :func:`shardlib.plan`: the builder's tensor-parallel preset when
     the mesh has a ``tp`` axis, and the ``parallel`` section's options (pipeline ones on a
     ``pp`` axis of size > 1)."""
-    from ..models import gpt_preset
+    from ..models import gpt_preset, llama_tp_specs
 
     p = cfg.parallel
     options: dict[str, Any] = dict(zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
@@ -105,10 +110,12 @@ def sharding(cfg: Config, shape: dict[str, int]) -> tuple[dict, dict[str, Any]]:
             options["virtual_stages"] = p.virtual_stages
     specs: dict = {}
     if shape.get("tp", 1) > 1:
-        preset = gpt_preset("tp")
-        specs = preset.specs
-        if not pipelined:  # a pipeline's criterion reads whole logits
-            options.update(preset.options)
+        if cfg.model.builder == "gpt":
+            specs = gpt_preset("tp").specs
+        else:
+            specs = llama_tp_specs("tp")
+        if not pipelined:  # vocabulary-parallel logits into the loss; a pipeline's criterion reads whole logits
+            options["vocab_parallel_logits"] = True
     return specs, options
 
 
@@ -159,14 +166,25 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size > m.get("vocab_size", cfg.data.vocab_size):
         raise ConfigError(f"config key 'model.vocab_size' ({m.vocab_size}) is below 'data.vocab_size' "
                           f"({cfg.data.vocab_size}), the BPE vocabulary. Fix: --set model.vocab_size={cfg.data.vocab_size}")
-    if m.builder == "gpt":
-        if m.n_embd % m.n_head:
-            raise ConfigError(f"config keys 'model.n_embd' ({m.n_embd}) and 'model.n_head' ({m.n_head}): n_embd must be "
-                              f"divisible by n_head")
-        if t.seq_len > m.block_size:
-            raise ConfigError(f"config key 'train.seq_len' ({t.seq_len}) is longer than 'model.block_size' "
-                              f"({m.block_size}), the positions the model has")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"config keys 'model.n_embd' ({m.n_embd}) and 'model.n_head' ({m.n_head}): n_embd must be "
+                          f"divisible by n_head")
+    if t.seq_len > m.block_size:
+        raise ConfigError(f"config key 'train.seq_len' ({t.seq_len}) is longer than 'model.block_size' "
+                          f"({m.block_size}), the positions the model has")
     shape = mesh_shape(cfg, world_size)
+    tp = shape.get("tp", 1)
+    if m.builder in ("llama", "palm"):
+        if m.n_head % m.n_kv_head or (m.n_embd // m.n_head) % 2:
+            raise ConfigError(f"config keys 'model.n_head' ({m.n_head}) and 'model.n_kv_head' ({m.n_kv_head}): n_head must "
+                              f"be divisible by n_kv_head, and the head size n_embd / n_head even (rotary pairs)")
+        if m.n_kv_head % tp:
+            raise ConfigError(f"config key 'model.n_kv_head' ({m.n_kv_head}) is not divisible by the tp axis ({tp}): "
+                              f"each tensor-parallel rank holds whole key/value heads (multi-query attention, one "
+                              f"head, cannot be split). Fix: --set model.n_kv_head={tp * max(1, m.n_kv_head // tp)} or "
+                              f"a smaller tp")
+    if tp > 1 and m.n_head % tp:
+        raise ConfigError(f"config key 'model.n_head' ({m.n_head}) is not divisible by the tp axis ({tp})")
     ranks = data_size(cfg, shape)
     pipelined = shape.get("pp", 1) > 1
     if pipelined and t.grad_accum > 1:
