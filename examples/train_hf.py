@@ -36,31 +36,7 @@ from shardlib.cli import ArgumentParser, data_ranks, main_guard, mesh_of, mesh_s
 from shardlib.data import open_corpus
 from shardlib.models import hf_preset
 from shardlib.models.hf import HF_PIPELINE_FAMILIES
-
-# --model -> (config class, causal LM class) in transformers; --model is the config's model_type
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "phi": ("PhiConfig", "PhiForCausalLM"),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
-    "opt": ("OPTConfig", "OPTForCausalLM"),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-}
-GQA = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "phi3"}  # num_key_value_heads < heads
-SWIGLU = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "phi3"}  # gated MLPs: 8/3 hidden; else 4
-
-
-def kv_heads(model: str, heads: int) -> int:
-    """Key/value heads of ``--model`` with ``heads`` attention heads: heads / 2 where the family
-    has grouped-query attention and ``heads`` is even, else ``heads``."""
-    return heads // 2 if model in GQA and heads % 2 == 0 else heads
-
+from shardlib.models.hf_build import FAMILIES, GQA, hf_model, kv_heads
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__)  # defaults in --help; a usage error is one line
@@ -112,40 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_config(args):
-    """The ``transformers`` config of ``--model``: the size flags, a byte vocabulary, no cache."""
-    import transformers
-
-    h, heads = args.hidden, args.heads
-    head_dim = h // heads
-    tokens = dict(vocab_size=256, use_cache=False, bos_token_id=0, eos_token_id=0)
-    if args.model == "gpt2":
-        return transformers.GPT2Config(n_embd=h, n_layer=args.layers, n_head=heads, n_positions=args.block_size,
-                                       **tokens)
-    size = dict(hidden_size=h, num_hidden_layers=args.layers, num_attention_heads=heads,
-                max_position_embeddings=args.block_size, **tokens)
-    ffn = max(8, int(8 * h / 3) // 8 * 8) if args.model in SWIGLU else 4 * h
-    if args.model == "opt":  # pad_token_id 1 (OPT's own): byte 1 does not occur in text
-        return transformers.OPTConfig(ffn_dim=ffn, **size)
-    size.update(intermediate_size=ffn, pad_token_id=0)  # Phi-3's default pad id (32000) is outside the vocab
-    if args.model == "gpt_neox":
-        return transformers.GPTNeoXConfig(**size)
-    size["num_key_value_heads"] = kv_heads(args.model, heads)
-    extra = {
-        "qwen3": dict(head_dim=head_dim), "gemma": dict(head_dim=head_dim),  # defaults 128 and 256, not hidden / heads
-        "gemma2": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim),
-        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-        "phi3": dict(original_max_position_embeddings=args.block_size),
-    }.get(args.model, {})
-    return getattr(transformers, FAMILIES[args.model][0])(**size, **extra)
-
-
 def build(args):
-    """A randomly initialized (seeded: the same on every rank) Hugging Face causal LM."""
-    import transformers
-
-    torch.manual_seed(args.seed)
-    return getattr(transformers, FAMILIES[args.model][1])(model_config(args))
+    """A randomly initialized (seeded: the same on every rank) Hugging Face causal LM of ``--model``
+    at the size flags, with a byte vocabulary (:func:`shardlib.models.hf_build.hf_model`)."""
+    return hf_model(args.model, args.hidden, args.layers, args.heads, args.block_size, seed=args.seed)
 
 
 def lm_criterion(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

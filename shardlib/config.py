@@ -15,7 +15,8 @@ and refuses an unknown section or key, or a value of the wrong type, naming the 
 where it came from (the file, or the override). The ``model`` section's keys beyond ``builder``
 are the builder's: for ``builder="gpt"`` the fields of :class:`shardlib.models.GPTConfig`; for
 ``"llama"`` and ``"palm"`` those of :class:`shardlib.models.LlamaConfig` (PaLM: one key/value
-head and tied embeddings by default; its block is always parallel).
+head and tied embeddings by default; its block is always parallel); for ``"hf"`` a Hugging Face
+family and its sizes, or a local ``pretrained`` folder (:mod:`shardlib.models.hf_build`).
 """
 
 from __future__ import annotations
@@ -121,9 +122,18 @@ def _palm_fields() -> dict[str, tuple[tuple, Any]]:
     return {k: v for k, v in fields.items() if k != "parallel_block"}
 
 
+def _hf_fields() -> dict[str, tuple[tuple, Any]]:
+    """An unmodified Hugging Face causal LM (shardlib.models.hf_build): a family at these sizes,
+    randomly initialized, or ``pretrained``: a local folder with config.json and weights."""
+    return {"family": ((str,), "llama"), "hidden": ((int,), 128), "layers": ((int,), 4), "heads": ((int,), 4),
+            "n_kv_heads": ((int,), 0), "vocab_size": ((int,), 256), "block_size": ((int,), 128),
+            "pretrained": ((str, type(None)), None)}
+
+
 # model builders: name -> the model section's keys beyond "builder" (types and defaults):
-# gpt: shardlib.models.GPTConfig; llama: LlamaConfig; palm: LlamaConfig with PaLM's defaults
-BUILDERS = {"gpt": _gpt_fields, "llama": _llama_fields, "palm": _palm_fields}
+# gpt: shardlib.models.GPTConfig; llama: LlamaConfig; palm: LlamaConfig with PaLM's defaults;
+# hf: a Hugging Face family (shardlib.models.hf_build)
+BUILDERS = {"gpt": _gpt_fields, "llama": _llama_fields, "palm": _palm_fields, "hf": _hf_fields}
 
 
 def _type_ok(value: Any, kinds: tuple) -> bool:

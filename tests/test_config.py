@@ -78,8 +78,8 @@ def test_every_shipped_config_loads_and_plans(path):
     cfg = load_config(path)
     world = math.prod(n if n != -1 else 2 for n in cfg.parallel.mesh.values())
     shape = check_run(cfg, world)
-    specs, options = sharding(cfg, shape)
     with torch.device("meta"):
         model = build_model(cfg)
+    specs, options = sharding(cfg, shape, model)
     plan = shardlib.plan(model, AbstractMesh(shape), specs, **options)
     assert plan.params if hasattr(plan, "params") else plan.stages

@@ -83,10 +83,14 @@ def test_batches_are_addressed_by_index_and_resume_on_the_next_one():
     (["model.n_embd=100", "model.n_head=3"], 1, "n_embd must be divisible by n_head"),
     (["model.builder='palm'", "parallel.mesh={'tp': 2}"], 2, r"'model.n_kv_head' \(1\) is not divisible by the tp"),
     (["model.builder='llama'", "model.n_kv_head=3"], 1, "n_head must be divisible by n_kv_head"),
+    (["model.builder='hf'", "model.family='bert'"], 1, "'model.family' is 'bert'; the families are: llama"),
+    (["model.builder='hf'", "model.family='phi'", "parallel.mesh={'pp': 2}"], 2, "no pipeline layers for it"),
+    (["model.builder='hf'", "model.heads=2", "parallel.mesh={'tp': 2}"], 2, "give llama 1 key/value heads"),
 ])
 def test_run_checks_name_the_keys(overrides, world, needle):
+    hf = any("builder='hf'" in o for o in overrides)  # the default config's model keys are GPT's
     with pytest.raises(ConfigError, match=needle):
-        check_run(load_config(DEFAULT, overrides), world)
+        check_run(load_config(None if hf else DEFAULT, overrides), world)
 
 
 def test_mesh_minus_one_takes_the_rest_of_the_world():
@@ -163,6 +167,24 @@ def test_tensorboard_scalars_when_installed(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("val/loss")] == [(2, 2.5)]
 
 
+def test_plot_draws_the_curves_and_keeps_existing_files(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    from shardlib.plot import main as plot_main, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    recs = [dict(step=s, loss=3.0 / s, lr=0.1, grad_norm=1.0, tokens_per_s=100.0 + s, mfu=None, peak_mem_mb=1.0,
+                 val_loss=1.0 if s == 3 else None) for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps(dict(recs[1], loss=9.0)) + "\n")
+    assert [r["loss"] for r in read_metrics(str(path))] == [3.0, 9.0, 1.0]  # a repeated step: its last record
+    assert plot_main([str(path)]) == 0
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_main([str(path)]) == 2  # refused: the PNG exists (one line on stderr)
+    (tmp_path / "bad.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: not a metrics record"):
+        read_metrics(str(tmp_path / "bad.jsonl"))
+
+
 # -- the entry point under torchrun -------------------------------------------------------------
 
 def _tool(tmp_path, module, *args, nproc=2, fails=False):
@@ -219,8 +241,10 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
 def _curve(shape, extra=()):
     from shardlib.train import train
 
-    cfg = load_config(DEFAULT, [*SMALL, f"parallel.mesh={shape!r}", "train.out_dir=None", "train.steps=3",
-                                "parallel.microbatches=2", *extra])
+    hf = any("builder='hf'" in o for o in extra)  # the model keys are a Hugging Face family's, not GPT's
+    small = [o for o in SMALL if not (hf and o.startswith("model."))]
+    cfg = load_config(None if hf else DEFAULT, [*small, f"parallel.mesh={shape!r}", "train.out_dir=None",
+                                                "train.steps=3", "parallel.microbatches=2", *extra])
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -243,8 +267,12 @@ def test_one_config_gives_one_loss_curve_on_every_mesh():
     # the LLaMA builder through the tool: its tensor-parallel specs and vocabulary-parallel logits
     llama = ["model.builder='llama'", "model.n_kv_head=2"]
     runs["llama dp=2,tp=2"] = run_on(4, _curve, {"dp": 2, "tp": 2}, [*llama, "parallel.sequence_parallel=True"])[0]
+    # an unmodified Hugging Face Qwen3 (the hf builder): hf_preset's layout, its own output layer
+    qwen = ["model.builder='hf'", "model.family='qwen3'", "model.hidden=64", "model.layers=2", "model.heads=4"]
+    runs["hf qwen3 dp=2,tp=2"] = run_on(4, _curve, {"dp": 2, "tp": 2}, qwen)[0]
     refs = {name: ref for name in runs}
     refs["llama dp=2,tp=2"] = run_on(1, _curve, {"dp": 1}, llama)[0]
+    refs["hf qwen3 dp=2,tp=2"] = run_on(1, _curve, {"dp": 1}, qwen)[0]
     assert refs["llama dp=2,tp=2"][0] != ref[0]  # another model
     for name, (curve, val) in runs.items():
         ref = refs[name]

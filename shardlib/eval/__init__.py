@@ -89,10 +89,10 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from ..train.build import dims
     from .harness import ShardedLM, codec_for
 
-    lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=run.smodel.module.config.block_size,
-                   batch_size=batch_size)
+    lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=dims(run.smodel)[2], batch_size=batch_size)
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)

@@ -130,7 +130,7 @@ class ShardedLM(_Base):
         self.smodel.eval()
         out = self.smodel(x.to(self._dev))
         self.smodel.train(was)
-        logits = out[0] if isinstance(out, tuple) else out
+        logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", out)  # ours, or a Hugging Face output
         logp = F.log_softmax(logits.float(), dim=-1).cpu()
         return [logp[i, :len(r)] for i, r in enumerate(rows)]
 

@@ -84,14 +84,36 @@ def build_model(cfg: Config) -> nn.Module:
         return Llama(LlamaConfig(**fields))
     if cfg.model.builder == "palm":
         return Llama(PaLMConfig(**fields))
-    raise ConfigError(f"config key 'model.builder' is {cfg.model.builder!r}; the builders are: gpt, llama, palm")
+    if cfg.model.builder == "hf":
+        from ..models.hf_build import hf_model, hf_pretrained
+
+        if fields["pretrained"]:
+            return hf_pretrained(fields["pretrained"])
+        return hf_model(fields["family"], fields["hidden"], fields["layers"], fields["heads"], fields["block_size"],
+                        fields["vocab_size"], fields["n_kv_heads"])
+    raise ConfigError(f"config key 'model.builder' is {cfg.model.builder!r}; the builders are: gpt, llama, palm, hf")
 
 
-def sharding(cfg: Config, shape: dict[str, int]) -> tuple[dict, dict[str, Any]]:
+def is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` (or the module a sharded model wraps) is a ``transformers`` model: it is
+    called as ``model(input_ids=x).logits``, the others as ``model(x, y) -> (logits, loss)``."""
+    model = getattr(model, "module", model)
+    return type(model).__module__.startswith("transformers.")
+
+
+def dims(model: nn.Module) -> tuple[int, int, int, int]:
+    """``(layers, width, positions, vocabulary)`` of a built model (ours or a Hugging Face one)."""
+    c = getattr(model, "module", model).config
+    get = lambda *names: next(getattr(c, n) for n in names if getattr(c, n, None) is not None)  # noqa: E731
+    return (get("n_layer", "num_hidden_layers"), get("n_embd", "hidden_size"),
+            get("block_size", "max_position_embeddings", "n_positions"), get("vocab_size"))
+
+
+def sharding(cfg: Config, shape: dict[str, int], model: nn.Module | None = None) -> tuple[dict, dict[str, Any]]:
     """``(specs, options)`` for :func:`shardlib.plan`: the builder's tensor-parallel preset when
-    the mesh has a ``tp`` axis, and the ``parallel`` section's options (pipeline ones on a
-    ``pp`` axis of size > 1)."""
-    from ..models import gpt_preset, llama_tp_specs
+    the mesh has a ``tp`` axis (for ``hf``, :func:`shardlib.models.hf_preset` of ``model``), and
+    the ``parallel`` section's options (pipeline ones on a ``pp`` axis of size > 1)."""
+    from ..models import gpt_preset, hf_preset, llama_tp_specs
 
     p = cfg.parallel
     options: dict[str, Any] = dict(zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
@@ -109,7 +131,13 @@ def sharding(cfg: Config, shape: dict[str, int]) -> tuple[dict, dict[str, Any]]:
         if p.virtual_stages > 1:
             options["virtual_stages"] = p.virtual_stages
     specs: dict = {}
-    if shape.get("tp", 1) > 1:
+    if shape.get("tp", 1) > 1 and cfg.model.builder == "hf":
+        if model is None:
+            raise ValueError("sharding: the hf builder's specs are read from the model; pass model=")
+        preset = hf_preset(model, "tp")
+        specs = preset.specs
+        options.update(preset.options)
+    elif shape.get("tp", 1) > 1:
         if cfg.model.builder == "gpt":
             specs = gpt_preset("tp").specs
         else:
@@ -124,9 +152,46 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     appendix B), ``N`` the parameters of every matmul (the embedding counts once, as the output
     layer it also is; an untied input table is a lookup, left out), ``L`` layers, ``h`` the width, ``T`` the sequence length (the attention
     scores and their product with the values, forward and backward)."""
-    c = model.config
-    n = model.num_params(non_embedding=True)  # less the position table and an untied input table: lookups
-    return 6.0 * n + 12.0 * c.n_layer * c.n_embd * seq_len
+    layers, width, _, _ = dims(model)
+    if hasattr(model, "num_params"):
+        n = model.num_params(non_embedding=True)  # less the position table and an untied input table: lookups
+    else:  # a Hugging Face model: every parameter (a tied one once), less an untied input embedding
+        n = sum(p.numel() for p in model.parameters())
+        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+        if out is None or out.weight is not inp.weight:
+            n -= inp.weight.numel()
+    return 6.0 * n + 12.0 * layers * width * seq_len
+
+
+def _check_hf(cfg: Config, shape: dict[str, int]) -> None:
+    """The hf builder's keys against the mesh (a ``pretrained`` model's sizes are its own)."""
+    from ..models.hf import HF_PIPELINE_FAMILIES
+    from ..models.hf_build import FAMILIES, GQA, kv_heads
+
+    m, tp, pp = cfg.model, shape.get("tp", 1), shape.get("pp", 1)
+    if pp > 1 and cfg.parallel.sequence_parallel:
+        raise ConfigError(f"config key 'parallel.sequence_parallel' with pp={pp} and model.builder='hf': a Hugging "
+                          f"Face model's pipeline layers build masks and rotary positions from each decoder layer's "
+                          f"input, which under sequence parallelism is a sequence shard. Fix: "
+                          f"--set parallel.sequence_parallel=False, or a mesh without pp")
+    if m.pretrained:
+        return
+    if m.family not in FAMILIES:
+        raise ConfigError(f"config key 'model.family' is {m.family!r}; the families are: {', '.join(FAMILIES)}")
+    if m.hidden % m.heads:
+        raise ConfigError(f"config keys 'model.hidden' ({m.hidden}) and 'model.heads' ({m.heads}): hidden must be "
+                          f"divisible by heads")
+    if cfg.train.seq_len > m.block_size:
+        raise ConfigError(f"config key 'train.seq_len' ({cfg.train.seq_len}) is longer than 'model.block_size' "
+                          f"({m.block_size}), the positions the model has")
+    kv = (m.n_kv_heads or kv_heads(m.family, m.heads)) if m.family in GQA else m.heads
+    if m.heads % kv or kv % tp:
+        raise ConfigError(f"config keys 'model.heads' ({m.heads}) and 'model.n_kv_heads' give {m.family} {kv} key/value "
+                          f"heads: they must divide heads, and the tp axis ({tp}) must divide them (each tp rank holds "
+                          f"whole heads)")
+    if pp > 1 and m.family not in HF_PIPELINE_FAMILIES:
+        raise ConfigError(f"config key 'model.family' is {m.family!r} on a pipeline mesh {shape}: shardlib has no "
+                          f"pipeline layers for it (it has them for {', '.join(sorted(HF_PIPELINE_FAMILIES))})")
 
 
 def check_run(cfg: Config, world_size: int) -> dict[str, int]:
@@ -166,14 +231,17 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size > m.get("vocab_size", cfg.data.vocab_size):
         raise ConfigError(f"config key 'model.vocab_size' ({m.vocab_size}) is below 'data.vocab_size' "
                           f"({cfg.data.vocab_size}), the BPE vocabulary. Fix: --set model.vocab_size={cfg.data.vocab_size}")
-    if m.n_embd % m.n_head:
-        raise ConfigError(f"config keys 'model.n_embd' ({m.n_embd}) and 'model.n_head' ({m.n_head}): n_embd must be "
-                          f"divisible by n_head")
-    if t.seq_len > m.block_size:
-        raise ConfigError(f"config key 'train.seq_len' ({t.seq_len}) is longer than 'model.block_size' "
-                          f"({m.block_size}), the positions the model has")
     shape = mesh_shape(cfg, world_size)
-    tp = shape.get("tp", 1)
+    tp, pp = shape.get("tp", 1), shape.get("pp", 1)
+    if m.builder == "hf":
+        _check_hf(cfg, shape)
+    else:
+        if m.n_embd % m.n_head:
+            raise ConfigError(f"config keys 'model.n_embd' ({m.n_embd}) and 'model.n_head' ({m.n_head}): n_embd must "
+                              f"be divisible by n_head")
+        if t.seq_len > m.block_size:
+            raise ConfigError(f"config key 'train.seq_len' ({t.seq_len}) is longer than 'model.block_size' "
+                              f"({m.block_size}), the positions the model has")
     if m.builder in ("llama", "palm"):
         if m.n_head % m.n_kv_head or (m.n_embd // m.n_head) % 2:
             raise ConfigError(f"config keys 'model.n_head' ({m.n_head}) and 'model.n_kv_head' ({m.n_kv_head}): n_head must "
@@ -183,10 +251,10 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
                               f"each tensor-parallel rank holds whole key/value heads (multi-query attention, one "
                               f"head, cannot be split). Fix: --set model.n_kv_head={tp * max(1, m.n_kv_head // tp)} or "
                               f"a smaller tp")
-    if tp > 1 and m.n_head % tp:
+    if tp > 1 and m.builder != "hf" and m.n_head % tp:
         raise ConfigError(f"config key 'model.n_head' ({m.n_head}) is not divisible by the tp axis ({tp})")
     ranks = data_size(cfg, shape)
-    pipelined = shape.get("pp", 1) > 1
+    pipelined = pp > 1
     if pipelined and t.grad_accum > 1:
         raise ConfigError(f"config key 'train.grad_accum' is {t.grad_accum} on a pipeline mesh {shape}: a pipeline "
                           f"step already accumulates over its microbatches. Fix: --set train.grad_accum=1 "

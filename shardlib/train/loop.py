@@ -22,7 +22,7 @@ import torch
 
 from ..config import Config
 from .batches import Batches, open_data
-from .build import PEAK_TFLOPS, build_model, check_run, flops_per_token, sharding
+from .build import PEAK_TFLOPS, build_model, check_run, dims, flops_per_token, is_hf, sharding
 from .checkpoints import Checkpoints
 from .metrics import MetricsLog, peak_memory_mb
 from .schedule import learning_rate
@@ -58,10 +58,12 @@ def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, acc
         loss = torch.stack(losses).mean() if losses is not None else torch.zeros((), device=x.device)
         return shardlib.all_reduce(loss, smodel.pp_axis)  # zero on every stage but the last
     total = torch.zeros((), device=x.device)
+    hf = is_hf(smodel)
     for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         sync = i == accum - 1 or not backward
         with contextlib.nullcontext() if sync else smodel.no_sync():
-            _, loss = smodel(xs, ys)
+            # a Hugging Face model: its logits (gathered over tp by its output layer) into our criterion
+            loss = lm_criterion(smodel(input_ids=xs).logits, ys) if hf else smodel(xs, ys)[1]
             if backward:
                 (loss / accum).backward()
         total = total + loss.detach() / accum
@@ -156,18 +158,19 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     mesh = shardlib.init_mesh(shape)
     device = _device()
     model = build_model(cfg)
-    if getattr(model.config, "vocab_size", corpus.vocab_size) < corpus.vocab_size:
+    vocab = dims(model)[3]
+    if vocab < corpus.vocab_size:
         from ..config import ConfigError
 
-        raise ConfigError(f"config key 'model.vocab_size' ({model.config.vocab_size}) is below the tokenizer's "
-                          f"vocabulary ({corpus.vocab_size})")
+        raise ConfigError(f"config key 'model.vocab_size' ({vocab}) is below the tokenizer's vocabulary "
+                          f"({corpus.vocab_size})")
     fpt = flops_per_token(model, cfg.train.seq_len)
     model = model.to(device)
-    specs, options = sharding(cfg, shape)
+    specs, options = sharding(cfg, shape, model)
     plan = shardlib.plan(model, mesh, specs, **options)
     if mesh.rank == 0 and verbose:
         log(str(corpus))
-        log(f"model: {model.num_params():,} parameters ({cfg.model.builder}), mesh {shape}, "
+        log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters ({type(model).__name__}), mesh {shape}, "
             f"ZeRO stage {cfg.parallel.zero_stage}")
         rows = cfg.train.global_batch // plan.data_size
         per_pass = rows // (cfg.parallel.microbatches if shape.get("pp", 1) > 1 else cfg.train.grad_accum)
