@@ -151,6 +151,19 @@ def test_metrics_file_is_written_as_it_goes_and_never_replaced(tmp_path):
     assert "MFU 41.0%" in format_line(dict(rec(4), mfu=0.41), 4)
 
 
+def test_an_out_dir_with_another_runs_metrics_is_refused_before_the_mesh(tmp_path):
+    from shardlib.train.loop import _out_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already holds metrics.jsonl .* does not replace it"):
+        _out_dir(load_config(None, [f"train.out_dir={str(tmp_path)!r}"]), None)
+    ck = tmp_path / "ck"
+    with pytest.raises(ConfigError, match="already holds metrics.jsonl"):  # resume, but nothing to resume from
+        _out_dir(load_config(None, [f"train.out_dir={str(tmp_path)!r}", f"checkpoint.dir={str(ck)!r}",
+                                    "checkpoint.resume=True"]), None)
+    assert _out_dir(load_config(None, []), "configs/x.py").startswith(os.path.join("runs", "x-"))
+
+
 def test_tensorboard_scalars_when_installed(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -256,13 +269,16 @@ def _curve(shape, extra=()):
 @pytest.mark.multiprocess
 def test_one_config_gives_one_loss_curve_on_every_mesh():
     """The same global config (batch, seed, schedule) on dp=4, dp=2 x tp=2 (with sequence
-    parallelism) and pp=2 x dp=2 (1F1B, 2 microbatches) trains like one process."""
+    parallelism), pp=2 x dp=2 (1F1B, 2 microbatches) and dp=2 with 2 accumulation slices trains
+    like one process; so do the llama and hf builders on dp=2 x tp=2."""
     ref = run_on(1, _curve, {"dp": 1})[0]
     runs = {
         "dp=4": run_on(4, _curve, {"dp": 4})[0],
         "llama dp=2,tp=2": None,
         "dp=2,tp=2": run_on(4, _curve, {"dp": 2, "tp": 2}, ["parallel.sequence_parallel=True"])[0],
         "pp=2,dp=2": run_on(4, _curve, {"pp": 2, "dp": 2})[0],
+        # two accumulation slices per step, the first backward under no_sync (ZeRO-3's full-size buffers)
+        "dp=2 grad_accum=2": run_on(2, _curve, {"dp": 2}, ["train.grad_accum=2"])[0],
     }
     # the LLaMA builder through the tool: its tensor-parallel specs and vocabulary-parallel logits
     llama = ["model.builder='llama'", "model.n_kv_head=2"]

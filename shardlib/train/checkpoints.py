@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any
 
 from .. import checkpoint
@@ -63,13 +64,17 @@ class Checkpoints:
 
     def save(self, step: int, smodel: Any, optimizer: Any, extra: dict, is_main: bool) -> str:
         """Save after ``step`` (every rank), then on rank 0 remove the oldest of this folder's
-        ``step_*`` checkpoints beyond ``keep_last`` (0 keeps all). A checkpoint of the same step
+        ``step_*`` checkpoints beyond ``keep_last`` (0 keeps all; one holding files the tool did
+        not write is kept, with a warning). A checkpoint of the same step
         is replaced only on a resumed run (it repeats the steps after the one it resumed from)."""
         path = os.path.join(self.dir, f"step_{step:06d}")
         checkpoint.save(path, smodel, optimizer, extra=extra, overwrite=self.resume)
         if is_main and self.keep_last:
             for old in self.saved()[:-self.keep_last]:
-                checkpoint.remove(old)
+                try:
+                    checkpoint.remove(old)
+                except checkpoint.CheckpointError as exc:  # a user's file put inside it: kept, training goes on
+                    warnings.warn(f"checkpoint.keep_last: {exc}", stacklevel=2)
         return path
 
     def saved(self) -> list[str]:

@@ -205,10 +205,31 @@ def _peak_flops(cfg: Config, device: torch.device) -> float | None:
 
 
 def _out_dir(cfg: Config, config_path: str | None) -> str:
+    """``train.out_dir``, else a new ``runs/<config stem>-<date-time>[-k]`` (only rank 0 writes there).
+
+    Raises:
+        ConfigError: ``train.out_dir`` holds a ``metrics.jsonl`` and this run does not resume
+            from a checkpoint (checked on every rank, before any communication: the file is
+            another run's, and is not replaced).
+    """
     if cfg.train.out_dir is not None:
-        return os.path.expanduser(cfg.train.out_dir)
+        out = os.path.expanduser(cfg.train.out_dir)
+        metrics = os.path.join(out, "metrics.jsonl")
+        resumes = cfg.checkpoint.resume and cfg.checkpoint.dir and Checkpoints(cfg.checkpoint, cfg.train.steps).latest()
+        if os.path.exists(metrics) and not resumes:
+            from ..config import ConfigError
+
+            raise ConfigError(f"config key 'train.out_dir' is {out!r}, which already holds metrics.jsonl (an earlier "
+                              f"run's); this run does not replace it. Fix: --set train.out_dir=ANOTHER_FOLDER (or None: "
+                              f"a new runs/<config>-<date-time>), or resume that run from its checkpoints")
+        return out
     stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
-    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    base = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out, k = base, 1
+    while os.path.lexists(out):  # two runs started in the same second
+        k += 1
+        out = f"{base}-{k}"
+    return out
 
 
 def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, Any]:
@@ -226,12 +247,12 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
         (:mod:`shardlib.train.metrics`).
 
     Raises:
-        ConfigError, ShardingError, CheckpointError: as :func:`setup`; FileExistsError: an
-            ``out_dir`` with another run's metrics (rank 0).
+        ConfigError, ShardingError, CheckpointError: as :func:`setup`; ConfigError also for a
+            ``train.out_dir`` holding another run's metrics.
     """
+    out_dir = _out_dir(cfg, config_path)  # every rank, before any communication
     run = setup(cfg, log=log)
     t = cfg.train
-    out_dir = _out_dir(cfg, config_path)
     world = math.prod(run.mesh.shape.values())
     peak = _peak_flops(cfg, run.device)
     metrics = MetricsLog(out_dir, t.steps, t.log_interval, run.is_main, t.tensorboard,
