@@ -99,3 +99,49 @@ def test_a_7b_layout_plans_on_an_abstract_mesh():
     assert model.num_params() == 32 * layer * tp - 32 * 2 * C * (tp - 1) + 2 * V * C + C
     assert pplan.stages[0].param_bytes == 4 * (16 * layer + V * C // tp)
     assert pplan.stages[1].param_bytes == 4 * (16 * layer + V * C // tp + C)
+
+
+@pytest.mark.multiprocess
+def test_palm_pipeline_with_its_tied_embedding():
+    """PaLM's embedding is its output layer: on pp=2 the two stages hold the tied tensor once each."""
+    assert_equivalent(functools.partial(_make, "palm", PALM), {"pp": 2, "dp": 2}, None, _batch(), steps=3,
+                      loss_fn=lm_loss, schedule="1f1b", microbatches=2, zero_stage=1, optimizer_kwargs={"lr": 1e-3})
+
+
+def _meta_worker(kind):
+    from shardlib.lazy import init_parameters
+
+    mesh = shardlib.init_mesh({"dp": 2, "tp": 2})
+    config = LLAMA if kind == "llama" else PALM
+    with torch.device("meta"):
+        meta = _make(kind, config)
+    smodel = shardlib.shard(meta, mesh, llama_tp_specs(), init_seed=5, zero_stage=3, sequence_parallel=True)
+    full = shardlib.full_state_dict(smodel)
+    ref = init_parameters(_make(kind, config), seed=5).state_dict()
+    return [k for k, v in ref.items() if not torch.equal(full[k], v)], sorted(ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["llama", "palm"])
+def test_meta_init_equals_the_one_device_init(kind):
+    """Built on the meta device, sharded over dp=2 x tp=2 at ZeRO-3: each rank fills its shards
+    from shardlib_init_rules(); the gathered tensors equal init_parameters on one device."""
+    from shardlib.testing import run_on
+
+    for mismatched, names in run_on(4, _meta_worker, kind):
+        assert mismatched == [] and any("norm" in n for n in names)
+
+
+def test_init_rules_follow_the_constructor_distributions():
+    from shardlib.lazy import init_parameters
+
+    cfg = LlamaConfig(vocab_size=64, n_layer=8, n_head=4, n_kv_head=2, n_embd=256)
+    m = init_parameters(Llama(cfg), seed=1)
+    assert torch.equal(m.norm.weight, torch.ones(256)) and torch.equal(m.blocks[0].attn_norm.weight, torch.ones(256))
+    resid = 0.02 / (2 * cfg.n_layer) ** 0.5
+    o = torch.cat([b.attn.o_proj.weight.flatten() for b in m.blocks])  # 8 x 65,536 draws
+    q = torch.cat([b.attn.q_proj.weight.flatten() for b in m.blocks])
+    assert abs(o.std().item() / resid - 1) < 0.01 and abs(q.std().item() / 0.02 - 1) < 0.01  # std error ~0.1%
+    torch.manual_seed(1)
+    eager = Llama(cfg)
+    assert abs(torch.cat([b.attn.o_proj.weight.flatten() for b in eager.blocks]).std().item() / resid - 1) < 0.01
