@@ -126,7 +126,7 @@ def _hf_fields() -> dict[str, tuple[tuple, Any]]:
     """An unmodified Hugging Face causal LM (shardlib.models.hf_build): a family at these sizes,
     randomly initialized, or ``pretrained``: a local folder with config.json and weights."""
     return {"family": ((str,), "llama"), "hidden": ((int,), 128), "layers": ((int,), 4), "heads": ((int,), 4),
-            "n_kv_heads": ((int,), 0), "vocab_size": ((int,), 256), "block_size": ((int,), 128),
+            "n_kv_heads": ((int,), 0), "vocab_size": ((int,), 256), "block_size": ((int,), 128), "dropout": (_NUM, 0.0),
             "pretrained": ((str, type(None)), None)}
 
 

@@ -164,6 +164,35 @@ def test_an_out_dir_with_another_runs_metrics_is_refused_before_the_mesh(tmp_pat
     assert _out_dir(load_config(None, []), "configs/x.py").startswith(os.path.join("runs", "x-"))
 
 
+def test_splits_too_short_for_seq_len_are_refused_before_the_mesh(tmp_path):
+    from shardlib.train import setup
+
+    (tmp_path / "a.txt").write_text("hello world, this is some text. " * 30)  # 960 bytes: 48 held out
+    cfg = load_config(None, ["data.source='files'", f"data.files=[{str(tmp_path)!r}]", "train.seq_len=64",
+                             "data.val_fraction=0.05"])
+    with pytest.raises(ConfigError, match="the val split .* has 48 tokens, too few for windows of train.seq_len=64"):
+        setup(cfg, world_size=1)
+
+
+def test_a_metrics_record_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+    rec = lambda s: json.dumps(dict(step=s, loss=1.0, lr=0.1, grad_norm=None, tokens_per_s=1.0, mfu=None,
+                                    peak_mem_mb=1.0, val_loss=None))
+    (tmp_path / "metrics.jsonl").write_text(rec(1) + "\n" + rec(2) + "\n" + rec(3)[:-9])
+    MetricsLog(str(tmp_path), 4, 1, True, False, resume_from=2, stream=open(os.devnull, "w")).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    (tmp_path / "metrics.jsonl").write_text("garbage\n" + rec(1) + "\n")
+    with pytest.raises(ValueError, match="metrics.jsonl:1 is not a metrics record"):
+        MetricsLog(str(tmp_path), 4, 1, True, False, resume_from=2, stream=open(os.devnull, "w"))
+
+
+def test_hf_families_train_without_dropout_unless_asked():
+    from shardlib.models.hf_build import hf_config
+
+    c = hf_config("gpt2", 32, 1, 2, 16)
+    assert (c.resid_pdrop, c.embd_pdrop, c.attn_pdrop) == (0.0, 0.0, 0.0)  # GPT-2's own default is 0.1
+    assert hf_config("opt", 32, 1, 2, 16, dropout=0.2).dropout == 0.2
+
+
 def test_tensorboard_scalars_when_installed(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -279,6 +308,8 @@ def test_one_config_gives_one_loss_curve_on_every_mesh():
         "pp=2,dp=2": run_on(4, _curve, {"pp": 2, "dp": 2})[0],
         # two accumulation slices per step, the first backward under no_sync (ZeRO-3's full-size buffers)
         "dp=2 grad_accum=2": run_on(2, _curve, {"dp": 2}, ["train.grad_accum=2"])[0],
+        # with dropout: each slice draws its rows of the whole batch's masks (MicrobatchDropout)
+        "dp=2 grad_accum=2 dropout": run_on(2, _curve, {"dp": 2}, ["train.grad_accum=2", "model.dropout=0.1"])[0],
     }
     # the LLaMA builder through the tool: its tensor-parallel specs and vocabulary-parallel logits
     llama = ["model.builder='llama'", "model.n_kv_head=2"]
@@ -289,6 +320,8 @@ def test_one_config_gives_one_loss_curve_on_every_mesh():
     refs = {name: ref for name in runs}
     refs["llama dp=2,tp=2"] = run_on(1, _curve, {"dp": 1}, llama)[0]
     refs["hf qwen3 dp=2,tp=2"] = run_on(1, _curve, {"dp": 1}, qwen)[0]
+    refs["dp=2 grad_accum=2 dropout"] = run_on(1, _curve, {"dp": 1}, ["model.dropout=0.1"])[0]
+    assert refs["dp=2 grad_accum=2 dropout"][0] != ref[0]  # dropout changed the curve
     assert refs["llama dp=2,tp=2"][0] != ref[0]  # another model
     for name, (curve, val) in runs.items():
         ref = refs[name]
@@ -336,3 +369,23 @@ def test_two_nodes_through_c10d_rendezvous_train_like_one_process(tmp_path):
     assert len(curve) == len(ref) == 3
     for (loss, norm), (rloss, rnorm) in zip(curve, ref):
         assert loss == pytest.approx(rloss, rel=2e-6) and norm == pytest.approx(rnorm, rel=2e-6)  # as the curve test
+
+
+def _resume_with_new_hyperparameters(folder):
+    from shardlib.train import setup, train
+
+    base = [*SMALL, "parallel.mesh={'dp': 2}", f"checkpoint.dir={folder + '/ck'!r}", "train.steps=2",
+            f"train.out_dir={folder + '/o'!r}"]
+    train(load_config(DEFAULT, base), log=lambda *_: None)
+    lines = []
+    run = setup(load_config(DEFAULT, [*base, "checkpoint.resume=True", "optim.betas=(0.5, 0.6)",
+                                      "optim.weight_decay=0.5"]), log=lines.append, verbose=False)
+    return run.start, [(g["betas"], g["weight_decay"]) for g in run.optimizer.param_groups], lines
+
+
+@pytest.mark.multiprocess
+def test_a_resume_takes_the_configs_optimizer_hyperparameters(tmp_path):
+    """The checkpoint's param_groups (betas, weight decay) would otherwise silently win."""
+    start, groups, lines = run_on(2, _resume_with_new_hyperparameters, str(tmp_path))[0]
+    assert start == 2 and set(groups) == {((0.5, 0.6), 0.5)}
+    assert any("betas (0.9, 0.95) in the checkpoint, (0.5, 0.6) from the config (used)" in x for x in lines)

@@ -89,9 +89,15 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    import shardlib
+
     from ..train.build import dims
     from .harness import ShardedLM, codec_for
 
+    if isinstance(run.smodel, shardlib.PipelineModule):
+        raise ValueError(f"shardlib.eval --tasks on the pipeline mesh {dict(run.mesh.shape)}: lm-eval scores need the "
+                         f"whole model's logits on every rank. Fix: --mesh without pp (the checkpoint reshards), "
+                         f"e.g. --mesh dp=1,tp={run.mesh.shape.get('tp', 1)}")
     lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=dims(run.smodel)[2], batch_size=batch_size)
     manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,

@@ -42,7 +42,7 @@ def kv_heads(family: str, heads: int) -> int:
 
 
 def hf_config(family: str, hidden: int, layers: int, heads: int, block_size: int, vocab_size: int = 256,
-              n_kv_heads: int = 0) -> Any:
+              n_kv_heads: int = 0, dropout: float = 0.0) -> Any:
     """The ``transformers`` config of ``family`` at these sizes, without a KV cache.
 
     Args:
@@ -52,6 +52,8 @@ def hf_config(family: str, hidden: int, layers: int, heads: int, block_size: int
         vocab_size: the vocabulary (256: bytes; token ids 0 and 1 serve as bos/eos and OPT's pad).
         n_kv_heads: key/value heads (0: :func:`kv_heads`); families without grouped-query
             attention take ``heads``.
+        dropout: every dropout probability of the family (GPT-2's and OPT's default 0.1 among
+            them; 0 by default here, so a run is the same on every mesh and in one process).
 
     Raises:
         ValueError: an unknown family.
@@ -63,22 +65,25 @@ def hf_config(family: str, hidden: int, layers: int, heads: int, block_size: int
     head_dim = hidden // heads
     tokens = dict(vocab_size=vocab_size, use_cache=False, bos_token_id=0, eos_token_id=0)
     if family == "gpt2":
-        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=block_size, **tokens)
+        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=block_size,
+                                       resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **tokens)
     size = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 max_position_embeddings=block_size, **tokens)
     ffn = max(8, int(8 * hidden / 3) // 8 * 8) if family in SWIGLU else 4 * hidden
     if family == "opt":  # pad_token_id 1 (OPT's own): byte 1 does not occur in text
-        return transformers.OPTConfig(ffn_dim=ffn, **size)
+        return transformers.OPTConfig(ffn_dim=ffn, dropout=dropout, attention_dropout=dropout, **size)
     size.update(intermediate_size=ffn, pad_token_id=0)  # Phi-3's default pad id (32000) is outside the vocab
     if family == "gpt_neox":
-        return transformers.GPTNeoXConfig(**size)
+        return transformers.GPTNeoXConfig(hidden_dropout=dropout, attention_dropout=dropout, **size)
     size["num_key_value_heads"] = (n_kv_heads or kv_heads(family, heads)) if family in GQA else heads
     extra = {
         "qwen3": dict(head_dim=head_dim), "gemma": dict(head_dim=head_dim),  # defaults 128 and 256, not hidden / heads
         "gemma2": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-        "phi3": dict(original_max_position_embeddings=block_size),
+        "phi3": dict(original_max_position_embeddings=block_size, resid_pdrop=dropout, embd_pdrop=dropout),
+        "phi": dict(resid_pdrop=dropout, embd_pdrop=dropout),
     }.get(family, {})
+    extra["attention_dropout"] = dropout
     return getattr(transformers, FAMILIES[family][0])(**size, **extra)
 
 

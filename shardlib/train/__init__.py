@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from ..config import load_config
 from .loop import Run, evaluate, setup, train
 from .schedule import learning_rate
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=1, default=str))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(cfg.to_dict(), indent=1, default=str))
         return 0
     train(cfg, args.config)
     return 0

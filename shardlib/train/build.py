@@ -90,7 +90,7 @@ def build_model(cfg: Config) -> nn.Module:
         if fields["pretrained"]:
             return hf_pretrained(fields["pretrained"])
         return hf_model(fields["family"], fields["hidden"], fields["layers"], fields["heads"], fields["block_size"],
-                        fields["vocab_size"], fields["n_kv_heads"])
+                        fields["vocab_size"], fields["n_kv_heads"], fields["dropout"])
     raise ConfigError(f"config key 'model.builder' is {cfg.model.builder!r}; the builders are: gpt, llama, palm, hf")
 
 
@@ -258,7 +258,7 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     if pipelined and t.grad_accum > 1:
         raise ConfigError(f"config key 'train.grad_accum' is {t.grad_accum} on a pipeline mesh {shape}: a pipeline "
                           f"step already accumulates over its microbatches. Fix: --set train.grad_accum=1 "
-                          f"parallel.microbatches={cfg.parallel.microbatches * t.grad_accum}")
+                          f"--set parallel.microbatches={cfg.parallel.microbatches * t.grad_accum}")
     split = ranks * t.grad_accum * (cfg.parallel.microbatches if pipelined else 1)
     if t.global_batch % split:
         parts = f"{ranks} data rank(s) x train.grad_accum={t.grad_accum}"

@@ -47,6 +47,12 @@ class Checkpoints:
         self.dir = os.path.expanduser(self.dir)
         if os.path.lexists(self.dir) and not os.path.isdir(self.dir):
             raise ConfigError(f"config key 'checkpoint.dir' is {self.dir!r}, which is a file, not a folder")
+        from ..checkpoint._files import check_parent
+
+        try:  # at start, not at the first save
+            check_parent(os.path.join(self.dir, "step_000000"), "config key 'checkpoint.dir'")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         names = sorted(os.listdir(self.dir)) if os.path.isdir(self.dir) else []
         if names and not self.resume:
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
+from ..random import MicrobatchDropout
 from .batches import Batches, open_data
 from .build import PEAK_TFLOPS, build_model, check_run, dims, flops_per_token, is_hf, sharding
 from .checkpoints import Checkpoints
@@ -59,9 +60,12 @@ def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, acc
         return shardlib.all_reduce(loss, smodel.pp_axis)  # zero on every stage but the last
     total = torch.zeros((), device=x.device)
     hf = is_hf(smodel)
+    # dropout: each slice draws its rows of the whole batch's masks (the curve does not depend on accum)
+    drops = MicrobatchDropout(smodel.module, accum) if accum > 1 else None
     for i, (xs, ys) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
         sync = i == accum - 1 or not backward
-        with contextlib.nullcontext() if sync else smodel.no_sync():
+        with contextlib.nullcontext() if sync else smodel.no_sync(), \
+                drops.forward(i) if drops else contextlib.nullcontext():
             # a Hugging Face model: its logits (gathered over tp by its output layer) into our criterion
             loss = lm_criterion(smodel(input_ids=xs).logits, ys) if hf else smodel(xs, ys)[1]
             if backward:
@@ -155,15 +159,23 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     shape = check_run(cfg, world_size)
     checkpoints = Checkpoints(cfg.checkpoint, cfg.train.steps)
     corpus = open_data(cfg.data, log=log)  # before the mesh: a bad path fails alike everywhere
+    for split in ("train", "val"):  # at start, not at the first evaluation after hours of training
+        n = len(corpus.split(split))
+        if n <= cfg.train.seq_len:
+            keys = "data.val_fraction / data.val_files" if split == "val" else "data.files"
+            raise ConfigError(f"the {split} split of {corpus.source} has {n:,} tokens, too few for windows of "
+                              f"train.seq_len={cfg.train.seq_len} (+1 target). Fix: a shorter train.seq_len, or more "
+                              f"{split} text ({keys})")
     mesh = shardlib.init_mesh(shape)
     device = _device()
     model = build_model(cfg)
     vocab = dims(model)[3]
     if vocab < corpus.vocab_size:
-        from ..config import ConfigError
-
         raise ConfigError(f"config key 'model.vocab_size' ({vocab}) is below the tokenizer's vocabulary "
                           f"({corpus.vocab_size})")
+    if cfg.train.seq_len > dims(model)[2]:  # a pretrained model's own positions
+        raise ConfigError(f"config key 'train.seq_len' ({cfg.train.seq_len}) is longer than the model's "
+                          f"{dims(model)[2]} positions")
     fpt = flops_per_token(model, cfg.train.seq_len)
     model = model.to(device)
     specs, options = sharding(cfg, shape, model)
@@ -186,6 +198,17 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
         run.start, run.resumed_from = int(extra["step"]), path
         batches.load_state_dict(extra["data"])
+        wanted = dict(betas=tuple(o.betas), weight_decay=o.weight_decay)  # the config's win over the checkpoint's
+        changed = {}
+        for group in optimizer.param_groups:
+            for key, value in wanted.items():
+                saved = tuple(group[key]) if key == "betas" else group[key]
+                if saved != value:
+                    changed[key] = (saved, value)
+                group[key] = value
+        if run.is_main and changed:
+            log("optim: " + ", ".join(f"{k} {a} in the checkpoint, {b} from the config (used)"
+                                      for k, (a, b) in changed.items()))
         if run.is_main:
             log(f"{'loaded' if load is not None else 'resumed from'} {path} at step {run.start}")
     elif cfg.checkpoint.resume and run.is_main:
@@ -212,13 +235,19 @@ def _out_dir(cfg: Config, config_path: str | None) -> str:
             from a checkpoint (checked on every rank, before any communication: the file is
             another run's, and is not replaced).
     """
+    from ..checkpoint._files import check_parent
+
     if cfg.train.out_dir is not None:
         out = os.path.expanduser(cfg.train.out_dir)
+        if os.path.lexists(out) and not os.path.isdir(out):
+            raise ConfigError(f"config key 'train.out_dir' is {out!r}, which is not a folder")
+        try:
+            check_parent(os.path.join(out, "metrics.jsonl"), "config key 'train.out_dir'")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         metrics = os.path.join(out, "metrics.jsonl")
         resumes = cfg.checkpoint.resume and cfg.checkpoint.dir and Checkpoints(cfg.checkpoint, cfg.train.steps).latest()
         if os.path.exists(metrics) and not resumes:
-            from ..config import ConfigError
-
             raise ConfigError(f"config key 'train.out_dir' is {out!r}, which already holds metrics.jsonl (an earlier "
                               f"run's); this run does not replace it. Fix: --set train.out_dir=ANOTHER_FOLDER (or None: "
                               f"a new runs/<config>-<date-time>), or resume that run from its checkpoints")
@@ -226,10 +255,15 @@ def _out_dir(cfg: Config, config_path: str | None) -> str:
     stem = os.path.splitext(os.path.basename(config_path))[0] if config_path else "run"
     base = os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     out, k = base, 1
-    while os.path.lexists(out):  # two runs started in the same second
-        k += 1
-        out = f"{base}-{k}"
-    return out
+    if int(os.environ.get("RANK", "0")) != 0:  # only rank 0 writes there
+        return out
+    while True:  # made here, so two runs started in the same second get two folders
+        try:
+            os.makedirs(out)
+            return out
+        except FileExistsError:
+            k += 1
+            out = f"{base}-{k}"
 
 
 def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, Any]:
@@ -275,13 +309,13 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
             record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=None if norm is None else float(norm),
                           tokens_per_s=tokens / dt, mfu=None if peak is None else tokens / dt * run.flops_per_token /
                           (world * peak), peak_mem_mb=peak_memory_mb(run.device), val_loss=None)
+            if run.checkpoints.due(step + 1):  # before the evaluation: a failing one loses no training
+                saved.append(run.save(step + 1))
+                metrics.write(f"step {step + 1}: checkpoint {saved[-1]}")
             if (t.eval_interval and (step + 1) % t.eval_interval == 0) or step + 1 == t.steps:
                 val_loss = record["val_loss"] = evaluate(run.smodel, run.batches, t.eval_steps, run.device)
             metrics.log(record)
             run.history.append(record)
-            if run.checkpoints.due(step + 1):
-                saved.append(run.save(step + 1))
-                metrics.write(f"step {step + 1}: checkpoint {saved[-1]}")
         if run.start >= t.steps:
             val_loss = evaluate(run.smodel, run.batches, t.eval_steps, run.device)
             metrics.write(f"the checkpoint is at step {run.start} of train.steps={t.steps}: nothing to train; "

@@ -60,12 +60,14 @@ class MetricsLog:
         tensorboard: write TensorBoard scalars when ``torch.utils.tensorboard`` can be imported
             (the ``tensorboard`` package); without it a note says so once.
         resume_from: the step a resumed run starts after; the file is appended to, its records of
-            later steps (the run repeats them) are left out first.
+            later steps (the run repeats them) left out first (rewritten aside, then renamed; a
+            last record cut short by a killed run is dropped), and TensorBoard purges those steps.
         stream: where lines go (default ``sys.stdout``); the bar draws only when it is a terminal.
 
     Raises:
         FileExistsError: ``out_dir`` already holds a ``metrics.jsonl`` of another run and this is
             not a resume (the file is never replaced).
+        ValueError: on a resume, a line of the file before its last is not a record.
     """
 
     def __init__(self, out_dir: str | None, steps: int, log_interval: int, active: bool, tensorboard: bool = True,
@@ -79,12 +81,13 @@ class MetricsLog:
         if self.path:
             os.makedirs(out_dir, exist_ok=True)
             kept = self._kept_records(resume_from)
-            self._file = open(self.path, "w" if kept is not None else "x")
-            for line in kept or ():
-                self._file.write(line)
-            self._file.flush()
+            if kept is not None:  # a resume: the kept records, written aside and renamed over the file
+                with open(self.path + ".tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(self.path + ".tmp", self.path)
+            self._file = open(self.path, "a" if kept is not None else "x")
             if tensorboard:
-                self._tb = _summary_writer(out_dir, self.stream)
+                self._tb = _summary_writer(out_dir, self.stream, None if resume_from is None else resume_from + 1)
         if _is_terminal(self.stream):
             from tqdm import tqdm
 
@@ -98,8 +101,21 @@ class MetricsLog:
             raise FileExistsError(f"{self.path} already exists (an earlier run's metrics); this run does not replace "
                                   f"it. Fix: --set train.out_dir=ANOTHER_FOLDER, or resume that run "
                                   f"(--set checkpoint.resume=True)")
+        kept = []
         with open(self.path) as f:
-            return [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_from]
+            lines = f.readlines()
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                if n == len(lines):  # a record cut short when the run was killed: dropped
+                    break
+                raise ValueError(f"{self.path}:{n} is not a metrics record: {line[:80]!r}") from None
+            if step <= resume_from:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        return kept
 
     def log(self, record: dict[str, Any]) -> None:
         """Write ``record`` (one step) to the file and TensorBoard; print its line every
@@ -144,10 +160,11 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def _summary_writer(out_dir: str, stream: TextIO):
+def _summary_writer(out_dir: str, stream: TextIO, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
         print("metrics: TensorBoard scalars off (pip install tensorboard to write them)", file=stream, flush=True)
         return None
-    return SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+    # purge_step: a resumed run hides the events of the steps it repeats
+    return SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"), purge_step=purge_step)
