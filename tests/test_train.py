@@ -164,6 +164,21 @@ def test_an_out_dir_with_another_runs_metrics_is_refused_before_the_mesh(tmp_pat
     assert _out_dir(load_config(None, []), "configs/x.py").startswith(os.path.join("runs", "x-"))
 
 
+def test_relative_output_folders_that_do_not_exist_yet_are_fine(tmp_path, monkeypatch):
+    """out_dir and checkpoint.dir relative to the working folder, their top folder not there yet
+    (the parent check walked up to '' and refused it)."""
+    from shardlib.checkpoint._files import check_parent
+    from shardlib.train.loop import _out_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert _out_dir(load_config(None, ["train.out_dir='runs/a'"]), None) == "runs/a"
+    Checkpoints(load_config(None, ["checkpoint.dir='runs/ck'"]).checkpoint, 10)
+    check_parent("new/ck/step_000002", "checkpoint.save")  # the checkpoint package's own check
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(ConfigError, match="not a folder"):
+        _out_dir(load_config(None, ["train.out_dir='f.txt/sub'"]), None)
+
+
 def test_splits_too_short_for_seq_len_are_refused_before_the_mesh(tmp_path):
     from shardlib.train import setup
 

@@ -119,7 +119,7 @@ def check_parent(path: str, caller: str) -> None:
     Raises:
         CheckpointError: naming ``caller``, the ancestor and what it is.
     """
-    parent = os.path.dirname(path)
+    parent = os.path.dirname(os.path.abspath(path))  # a relative path's top folder may not exist yet
     while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
