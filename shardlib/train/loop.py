@@ -246,7 +246,9 @@ def _out_dir(cfg: Config, config_path: str | None) -> str:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         metrics = os.path.join(out, "metrics.jsonl")
-        resumes = cfg.checkpoint.resume and cfg.checkpoint.dir and Checkpoints(cfg.checkpoint, cfg.train.steps).latest()
+        from .. import checkpoint
+
+        resumes = cfg.checkpoint.resume and cfg.checkpoint.dir and checkpoint.latest(os.path.expanduser(cfg.checkpoint.dir))
         if os.path.exists(metrics) and not resumes:
             raise ConfigError(f"config key 'train.out_dir' is {out!r}, which already holds metrics.jsonl (an earlier "
                               f"run's); this run does not replace it. Fix: --set train.out_dir=ANOTHER_FOLDER (or None: "

@@ -150,6 +150,26 @@ def _encode(tokenizer, data: torch.Tensor) -> np.ndarray:
     return np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
 
+def _publish(folder: str, write) -> None:
+    """Fill ``folder`` through ``write(tmp)``: into ``<folder>.partial-<host>-<pid>`` (this
+    process's own), renamed to ``folder`` at the end; when another process renamed its copy
+    first (its ``meta.json`` is there), this copy is removed and theirs stands. On any failure
+    this process's folder is removed."""
+    tmp = f"{folder}.partial-{socket.gethostname()}-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not os.path.isfile(os.path.join(folder, "meta.json")):
+                raise
+            shutil.rmtree(tmp)  # another process finished first: read theirs
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def pretokenize(corpus: ByteCorpus, tokenizer, folder: str) -> TokenCorpus:
     """Tokenize ``corpus`` into ``folder`` (which must not exist) and map it back.
 
@@ -159,9 +179,7 @@ def pretokenize(corpus: ByteCorpus, tokenizer, folder: str) -> TokenCorpus:
     Returns:
         The :class:`TokenCorpus` at ``folder``.
     """
-    tmp = f"{folder}.partial-{socket.gethostname()}-{os.getpid()}"
-    os.makedirs(tmp)
-    try:
+    def write(tmp: str) -> None:
         vocab = tokenizer.get_vocab_size()
         dtype = np.uint16 if vocab <= 2**16 else np.uint32
         meta: dict[str, Any] = dict(writer="shardlib", vocab_size=vocab, dtype=np.dtype(dtype).name, source=corpus.source)
@@ -173,15 +191,8 @@ def pretokenize(corpus: ByteCorpus, tokenizer, folder: str) -> TokenCorpus:
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not os.path.isfile(os.path.join(folder, "meta.json")):
-                raise
-            shutil.rmtree(tmp)  # another process finished first: read theirs
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # this process's own folder
-        raise
+
+    _publish(folder, write)
     return TokenCorpus.open(folder, corpus.source)
 
 
@@ -236,15 +247,13 @@ def tokenized(data: Config, corpus: ByteCorpus, writer: bool | None = None, log=
                 t0 = time.perf_counter()
                 tok = train_bpe([train_bytes.decode("utf-8", errors="replace")], data.vocab_size)
                 os.makedirs(root, exist_ok=True)
-                tmp = f"{tok_dir}.partial-{socket.gethostname()}-{os.getpid()}"
-                os.makedirs(tmp)
-                tok.save(os.path.join(tmp, "tokenizer.json"))
-                with open(os.path.join(tmp, "meta.json"), "w") as f:
-                    json.dump(dict(writer="shardlib", vocab_size=tok.get_vocab_size()), f)
-                try:
-                    os.rename(tmp, tok_dir)
-                except OSError:
-                    shutil.rmtree(tmp)
+
+                def write(tmp: str) -> None:
+                    tok.save(os.path.join(tmp, "tokenizer.json"))
+                    with open(os.path.join(tmp, "meta.json"), "w") as f:
+                        json.dump(dict(writer="shardlib", vocab_size=tok.get_vocab_size()), f)
+
+                _publish(tok_dir, write)
                 log(f"tokenizer: byte-level BPE of {tok.get_vocab_size():,} tokens learned on {len(train_bytes):,} "
                     f"bytes in {time.perf_counter() - t0:.1f} s: {os.path.join(tok_dir, 'tokenizer.json')}")
             else:
