@@ -41,6 +41,7 @@ from shardlib.cli import (ArgumentParser, data_ranks, dropout_rate, main_guard, 
                           nonnegative_int, positive_int)
 from shardlib.data import ByteCorpus, open_corpus
 from shardlib.models import GPT, GPTConfig, gpt_preset
+from shardlib.parallel.schedules import SCHEDULES
 from shardlib.random import mesh_independent_dropout
 
 CHECK_RTOL = 1e-4
@@ -52,8 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-files", default="", help="comma-separated held-out file names in the --data folder")
     p.add_argument("--mesh", type=mesh_shape, default=None,
                    help="mesh axes, e.g. dp=4 or dp=2,tp=2 (default: dp=WORLD_SIZE)")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved_1f1b"],
-                   help="pipeline schedule when the mesh has a pp axis")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                   help="pipeline schedule when the mesh has a pp axis (zbv and dualpipev: two chunks per rank in a V)")
     p.add_argument("--microbatches", type=positive_int, default=4,
                    help="pipeline microbatches per step (must divide the batch of each data rank)")
     p.add_argument("--timeline", default="runs/timeline.svg", help="pipeline timeline picture of the last step")

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ShardingError
+from .parallel.schedules import SCHEDULES
 
 __all__ = ["dry_run", "DryRunReport", "MODELS", "build_meta_model", "main"]
 
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=positive_int, help="sequence length (default: the model's)")
     ap.add_argument("--batch", type=positive_int, help="sequences per data rank (default: --microbatches, else 1)")
     ap.add_argument("--microbatches", type=positive_int, help="pipeline microbatches (a mesh with pp)")
-    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), help="pipeline schedule (a mesh with pp)")
+    ap.add_argument("--schedule", choices=sorted(SCHEDULES), help="pipeline schedule (a mesh with pp)")
     ap.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism on tp")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)

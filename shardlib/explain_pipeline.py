@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .explain_summary import fit, human
 from .explain_table import index_set
+from .parallel.schedule_theory import BUBBLE_FORMULA
 from .parallel.schedules import format_grid
 
 __all__ = ["compact_names", "pipeline_summary", "pipeline_explain", "GRID_STEPS"]
@@ -76,10 +77,11 @@ def pipeline_summary(pplan, tokens: int | None = None) -> str:
     p = pplan
     lines = [f"Pipeline over {p.pp_axis!r} ({p.p} ranks x {p.v} chunks = {p.n_stages} stages), schedule {p.schedule}, "
              f"{p.m} microbatches",
-             f"  bubble (p-1)/(vm+p-1) = {p.bubble:.3f}; peak stashed microbatches per rank {p.simulation.peak_stash}"]
+             f"  bubble {BUBBLE_FORMULA.get(p.schedule, '(p-1)/(vm+p-1)')} = {p.bubble:.3f}; peak stashed "
+             f"{'chunk-' if p.v > 1 else ''}microbatches per rank {p.simulation.peak_stash}"]
     for s, layers in enumerate(p.stage_layers):
         shown = compact_names(layers)
-        lines.append(f"  stage {s} on rank {s % p.p}: {', '.join(shown[:LAYERS_SHOWN])}"
+        lines.append(f"  stage {s} on rank {p.stage_rank(s)}: {', '.join(shown[:LAYERS_SHOWN])}"
                      f"{' ...' if len(shown) > LAYERS_SHOWN else ''} ({len(layers)} layers, {p.stage_param_bytes[s]:,} "
                      "parameter bytes)")
     whole = p.whole

@@ -7,7 +7,9 @@
 2. the whole model is planned (every check, and the layout each stage follows: a tied tensor
    keeps one layout on every stage, under either name);
 3. the layers (``model.pipeline_layers()``) are cut into ``p * v`` stages
-   (:func:`~shardlib.parallel.pipeline.partition`); stage ``s`` lives on pp rank ``s % p``;
+   (:func:`~shardlib.parallel.pipeline.partition`); stage ``s`` lives on pp rank ``s % p``, or
+   on the V of the zero-bubble V schedules (rank ``r`` holding stages ``r`` and ``2p - 1 - r``:
+   :func:`~shardlib.parallel.actions.rank_stages`);
 4. each pp rank's :class:`~shardlib.parallel.pipeline.Stage` is planned like any module, with
    the whole model's specs, ZeRO over the data axes and tensor parallelism over the tensor axis.
 
@@ -34,9 +36,11 @@ from .errors import ShardingError
 from .lowering import lower
 from .mesh.mesh import AbstractMesh
 from .models.hf import is_hf_model
+from .parallel.actions import rank_stages, stage_rank
 from .parallel.pipeline import Stage, partition
 from .parallel.recompute import find_blocks, stage_choice
-from .parallel.schedules import Simulation, bubble_fraction, build_schedule, simulate
+from .parallel.schedule_theory import schedule_bubble_fraction
+from .parallel.schedules import Simulation, build_schedule, default_virtual_stages, placement, simulate
 from .state_names import model_state_names
 
 if TYPE_CHECKING:
@@ -79,13 +83,15 @@ class PipelinePlan:
 
     Attributes:
         pp_axis: the pipeline mesh axis.
-        schedule: ``"gpipe"`` (arXiv 1811.06965), ``"1f1b"`` or ``"interleaved_1f1b"`` (arXiv 2104.04473).
+        schedule: ``"gpipe"`` (arXiv 1811.06965), ``"1f1b"`` or ``"interleaved_1f1b"`` (arXiv
+            2104.04473), ``"zb_h1"`` or ``"zbv"`` (arXiv 2401.10241), ``"dualpipev"`` (arXiv
+            2412.19437); see :mod:`shardlib.parallel.schedules`.
         p: ranks along the pipeline axis. m: microbatches per step. v: model chunks per rank.
-        stage_layers: for each of the ``p * v`` stages (stage ``s`` on pp rank ``s % p``), the
-            names of its layers, in ``pipeline_layers()`` order.
+        stage_layers: for each of the ``p * v`` stages (stage ``s`` on pp rank
+            :meth:`stage_rank` ``(s)``), the names of its layers, in ``pipeline_layers()`` order.
         stage_param_bytes: each stage's parameter bytes before sharding (a shared tensor once).
         stages: for each pp rank ``r``, the plan of its :class:`~shardlib.parallel.pipeline.Stage`
-            (stages ``r, r + p, ...``): bytes per rank after ZeRO / tensor parallelism over the
+            (:meth:`rank_stages` ``(r)``): bytes per rank after ZeRO / tensor parallelism over the
             other axes, on the rank at pp index ``r`` with this mesh's other coordinates (this
             rank's own stage keeps the mesh; the others an :class:`~shardlib.AbstractMesh`).
         whole: the whole model's plan (the checks and the layout every stage follows; its bytes
@@ -134,13 +140,29 @@ class PipelinePlan:
         return tuple(layers[0] for layers in self.stage_layers[1:])
 
     @property
+    def placement(self) -> str:
+        """``"loop"`` (stage ``s`` on pp rank ``s % p``) or ``"v"`` (the V schedules)."""
+        return placement(self.schedule)
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank holding ``stage``."""
+        return stage_rank(stage, self.p, self.placement)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The stages pp rank ``rank`` holds, in chunk order."""
+        return rank_stages(rank, self.p, self.v, self.placement)
+
+    @property
     def bubble(self) -> float:
-        """The theoretical idle fraction ``(p - 1) / (v m + p - 1)``."""
-        return bubble_fraction(self.p, self.m, self.v)
+        """The theoretical idle fraction of a step: ``(p - 1) / (v m + p - 1)`` for GPipe and
+        (interleaved) 1F1B; for the zero-bubble schedules their papers' bubble at ``T_F = T_B =
+        T_W`` over the step (:func:`~shardlib.parallel.schedule_theory.schedule_bubble_fraction`)."""
+        return schedule_bubble_fraction(self.schedule, self.p, self.m, self.v)
 
     @functools.cached_property
     def simulation(self) -> Simulation:
-        """The schedule run on a clock (forward and backward one unit each)."""
+        """The schedule run on a clock (forward and backward one unit each; a split backward's
+        ``I`` and ``W`` one unit each)."""
         return simulate(build_schedule(self.schedule, self.p, self.m, self.v))
 
     # the data layout is the same on every stage (the whole model's options)
@@ -197,8 +219,9 @@ class PipelinePlan:
     def transfers_per_step(self, rank: int) -> int:
         """Point-to-point sends pp rank ``rank`` makes per step: ``m`` activations from each of
         its stages but the last, ``m`` gradients from each but the first."""
-        mine = range(rank, self.n_stages, self.p)
-        return self.m * (sum(s < self.n_stages - 1 for s in mine) + sum(s > 0 for s in mine))
+        mine = self.rank_stages(rank)
+        return self.m * (sum(s < self.n_stages - 1 and self.stage_rank(s + 1) != rank for s in mine)
+                         + sum(s > 0 and self.stage_rank(s - 1) != rank for s in mine))
 
     def peak_estimate(self, tokens: int, rank: int, activation_checkpointing: Any = None):
         """The predicted peak bytes of pp rank ``rank`` (its stage plan's
@@ -302,9 +325,10 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     p = mesh.size(axis)
     schedule = options.pop("schedule", "1f1b")
     m = options.pop("microbatches", p)
-    v = options.pop("virtual_stages", 1)
+    v = options.pop("virtual_stages", default_virtual_stages(schedule) if isinstance(schedule, str) else 1)
     split_points = options.pop("split_points", None)
-    build_schedule(schedule, p, m, v)  # checks the sizes
+    build_schedule(schedule, p, m, v)  # checks the name and the sizes
+    where = placement(schedule)
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
     if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
         raise ShardingError(
@@ -313,10 +337,12 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
             "sequence-parallel region is a sequence shard, so they would not match the attention's whole sequence. "
             "Fix: drop sequence_parallel (tensor parallelism inside each stage works without it), or drop the pp axis"
         )
-    modules = [partition(model, r, p, v, split_points) for r in range(p)]
-    layers = tuple(tuple(modules[s % p].chunk_layers[s // p]) for s in range(p * v))
-    sizes = tuple(modules[s % p].chunk_bytes[s // p] for s in range(p * v))
-    sp_fields = _sequence_parallel_per_rank(whole, modules, mesh, axis) if whole.sequence_parallel else None
+    modules = [partition(model, r, p, v, split_points, where) for r in range(p)]
+    # stage -> (rank, chunk index on it)
+    at = {s: (r, c) for r in range(p) for c, s in enumerate(rank_stages(r, p, v, where))}
+    layers = tuple(tuple(modules[at[s][0]].chunk_layers[at[s][1]]) for s in range(p * v))
+    sizes = tuple(modules[at[s][0]].chunk_bytes[at[s][1]] for s in range(p * v))
+    sp_fields = _sequence_parallel_per_rank(whole, modules, mesh, axis, at) if whole.sequence_parallel else None
 
     # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
@@ -374,7 +400,7 @@ def _activation_width(model: torch.nn.Module) -> int | None:
     return None
 
 
-def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, axis: str) -> list[dict]:
+def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, axis: str, at: dict) -> list[dict]:
     """Each pp rank's share of the whole model's sequence-parallel layout, checked exact.
 
     Returns, per pp rank, the plan fields: ``sp_entry`` (the whole model's on the first stage's
@@ -387,12 +413,12 @@ def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, 
 
     def stage_of(path: str) -> int | None:
         for s in range(n_stages):
-            if any(path == root or path.startswith(root + ".") for root in modules[s % p].chunk_paths[s // p]):
+            if any(path == root or path.startswith(root + ".") for root in modules[at[s][0]].chunk_paths[at[s][1]]):
                 return s
         return None
 
     def where(s: int | None) -> str:
-        return "in no stage" if s is None else f"on stage {s} (layers {modules[s % p].chunk_layers[s // p]})"
+        return "in no stage" if s is None else f"on stage {s} (layers {modules[at[s][0]].chunk_layers[at[s][1]]})"
 
     given = f"sequence_parallel=True on the pipeline mesh {mesh_shape} ({n_stages} stages over {axis!r})"
     entry = stage_of(whole.sp_entry)
@@ -417,7 +443,7 @@ def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, 
                 "stages after it would receive full sequences where shards are expected. Fix: "
                 f"split_points= that keep {path!r} in the last stage, or leave sp_exit unset"
             )
-    tp_ranks = {s % p for s in map(stage_of, (layer.path for layer in whole.tp_layers)) if s is not None}
+    tp_ranks = {at[s][0] for s in map(stage_of, (layer.path for layer in whole.tp_layers)) if s is not None}
     for r in range(p):
         if r not in tp_ranks:
             held = [name for layers in modules[r].chunk_layers for name in layers]
@@ -431,8 +457,8 @@ def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, 
         names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
         fields.append(dict(
             sequence_parallel=True,
-            sp_entry=whole.sp_entry if r == 0 else None,
-            sp_exit=whole.sp_exit if r == (n_stages - 1) % p else "",
+            sp_entry=whole.sp_entry if r == at[0][0] else None,
+            sp_exit=whole.sp_exit if r == at[n_stages - 1][0] else "",
             sp_grad_params=tuple(n for n in whole.sp_grad_params if n in names),
         ))
     return fields

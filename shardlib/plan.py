@@ -290,9 +290,11 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             unlike FSDP2, whose default is ``param_dtype``). Use :class:`~shardlib.GradScaler` with ``float16``.
         pp_axis: the pipeline axis (default ``pp``). With it of size > 1 in the mesh, the pipeline options are
             ``schedule`` (``"gpipe"``, GPipe arXiv 1811.06965; ``"1f1b"``, the default, PipeDream-flush;
-            ``"interleaved_1f1b"``, both arXiv 2104.04473), ``microbatches`` (default the pipeline size),
-            ``virtual_stages`` (model chunks per rank, default 1) and ``split_points`` (the layers starting stages
-            1, 2, ...; default balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
+            ``"interleaved_1f1b"``, both arXiv 2104.04473; the zero-bubble schedules with split backwards
+            ``"zb_h1"`` and ``"zbv"``, arXiv 2401.10241, and ``"dualpipev"``, arXiv 2412.19437),
+            ``microbatches`` (default the pipeline size), ``virtual_stages`` (model chunks per rank, default 1;
+            2 for ``"zbv"`` and ``"dualpipev"``, which lay them out in a V) and ``split_points`` (the layers
+            starting stages 1, 2, ...; default balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
 
     Returns:
         The :class:`Plan`, or a :class:`~shardlib.pipeline_plan.PipelinePlan` on a pipeline mesh.

@@ -334,8 +334,9 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     _check_device(model, pplan.whole, pplan.mesh)
     report = verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
-    stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points))
-    assert [tuple(c) for c in stage.chunk_layers] == list(pplan.stage_layers[rank::pplan.p]), "stage differs from its plan"
+    stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points), pplan.placement)
+    assert [tuple(c) for c in stage.chunk_layers] == [pplan.stage_layers[s] for s in pplan.rank_stages(rank)], \
+        "stage differs from its plan"
     smodel = PipelineModule(stage, pplan, model)  # the model: its own init fills a meta stage's buffers
     smodel.verification = report
     return smodel

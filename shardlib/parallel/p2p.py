@@ -52,10 +52,11 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..errors import ShardingError
-from .schedules import Action
+from .actions import Action, stage_owners
+from .simulate import action_costs, dependencies, gradient_senders
 
 __all__ = ["Message", "Post", "Wait", "Read", "Run", "action_times", "transfer_program", "receives_first", "sent_by",
-           "needed_by"]
+           "needed_by", "is_local"]
 
 ACTIVATION, GRADIENT = "activation", "gradient"
 
@@ -124,27 +125,38 @@ Instruction = Union[Post, Wait, Read, Run]
 
 def sent_by(a: Action, n_stages: int) -> Message | None:
     """The message action ``a`` sends: a forward's output (but the last stage's), a backward's
-    input gradient (but the first stage's)."""
+    (``B`` or ``I``) input gradient (but the first stage's); a ``W`` sends nothing."""
     if a.kind == "F":
         return Message(ACTIVATION, a.stage, a.microbatch) if a.stage < n_stages - 1 else None
+    if a.kind == "W":
+        return None
     return Message(GRADIENT, a.stage, a.microbatch) if a.stage > 0 else None
 
 
 def needed_by(a: Action, n_stages: int) -> Message | None:
     """The message action ``a`` receives before it runs: a forward's input (but the first
-    stage's), a backward's output gradient (but the last stage's)."""
+    stage's), a backward's (``B`` or ``I``) output gradient (but the last stage's); a ``W`` none."""
     if a.kind == "F":
         return Message(ACTIVATION, a.stage - 1, a.microbatch) if a.stage > 0 else None
+    if a.kind == "W":
+        return None
     return Message(GRADIENT, a.stage + 1, a.microbatch) if a.stage < n_stages - 1 else None
 
 
-def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bool) -> list[list[Message]]:
-    """Per action of ``rank``, the messages it sends, in order (a header first in a handshake)."""
+def is_local(msg: Message, owners: dict[int, int]) -> bool:
+    """Whether ``msg`` goes between two stages of one rank (the bottom of a V): handed over in
+    memory, never posted."""
+    return owners[msg.stage] == owners[msg.dst_stage]
+
+
+def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bool, owners: dict) -> list[list[Message]]:
+    """Per action of ``rank``, the messages it posts, in order (a header first in a handshake;
+    none to a stage of its own)."""
     out, headed = [], set()
     for a in schedule[rank]:
         m = sent_by(a, n_stages)
         msgs = []
-        if m is not None:
+        if m is not None and not is_local(m, owners):
             if handshake and m.kind == ACTIVATION and m.stage not in headed:
                 headed.add(m.stage)
                 msgs.append(Message(ACTIVATION, m.stage, m.microbatch, header=True))
@@ -154,9 +166,10 @@ def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bo
 
 
 def action_times(schedule: list[list[Action]], backward_cost: int = 2) -> list[list[tuple[int, int]]]:
-    """``(start, end)`` of every action on a clock (forward 1 unit, backward ``backward_cost``),
-    each rank running its list in order as soon as its inputs are done (a list may hold
-    forwards only: an evaluation).
+    """``(start, end)`` of every action on a clock (forward 1 unit, full backward
+    ``backward_cost``, a split one's ``W`` half of it and its ``I`` the rest), each rank running
+    its list in order as soon as its inputs are done (a list may hold forwards only: an
+    evaluation).
 
     Raises:
         ShardingError: the schedule deadlocks (no rank can start its next action).
@@ -164,6 +177,8 @@ def action_times(schedule: list[list[Action]], backward_cost: int = 2) -> list[l
     p = len(schedule)
     listed = {a for acts in schedule for a in acts}
     n_stages = 1 + max((a.stage for a in listed), default=0)
+    senders = gradient_senders(schedule)
+    costs = action_costs(backward_cost)
     end: dict[Action, int] = {}
     out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     free = [0] * p
@@ -172,16 +187,11 @@ def action_times(schedule: list[list[Action]], backward_cost: int = 2) -> list[l
         for r in range(p):
             while len(out[r]) < len(schedule[r]):
                 a = schedule[r][len(out[r])]
-                deps = [Action(a.stage - 1, "F", a.microbatch)] if a.kind == "F" and a.stage > 0 else []
-                if a.kind == "B":
-                    deps.append(Action(a.stage, "F", a.microbatch))
-                    if a.stage < n_stages - 1:
-                        deps.append(Action(a.stage + 1, "B", a.microbatch))
-                deps = [d for d in deps if d in listed]
+                deps = [d for d in dependencies(a, n_stages, senders) if d in listed]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[d] for d in deps])
-                end[a] = free[r] = start + (1 if a.kind == "F" else backward_cost)
+                end[a] = free[r] = start + costs[a.kind]
                 out[r].append((start, end[a]))
                 moved = True
         if not moved:
@@ -221,48 +231,70 @@ def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = 
     if p < 2:
         raise ShardingError(f"transfer_program: a pipeline has at least 2 ranks, got a schedule of {p}")
     n_stages = 1 + max(a.stage for acts in schedule for a in acts)
+    owners = stage_owners(schedule)
     times = action_times(schedule, backward_cost)
-    sends = {q: _sends(schedule, q, n_stages, handshake) for q in range(p)}
+    sends = {q: _sends(schedule, q, n_stages, handshake, owners) for q in range(p)}
     recv_at: dict[int, list[Message]] = {}  # round -> messages for this rank, by sender rank then order
     send_at: dict[int, list[Message]] = {}
     for q in range(p):
         for k, msgs in enumerate(sends[q]):
             t = times[q][k][1]
             for m in msgs:
-                if m.dst_stage % p == rank:
+                if owners[m.dst_stage] == rank:
                     recv_at.setdefault(t, []).append(m)
                 if q == rank:
                     send_at.setdefault(t, []).append(m)
     starts = {times[rank][k][0]: k for k in range(len(schedule[rank]))}
+    # a round that arrives while this rank runs a longer action (start < t < end): its receives
+    # are posted before that action (so they start with it, not after it: NCCL's stream waits for
+    # the compute issued before a batch), its header reads and the rest at the round itself
+    ahead: dict[int, list[int]] = {}
+    for k, (begin, end) in enumerate(times[rank]):
+        ahead[k] = sorted(t for t in recv_at if begin < t < end)
+    early = {t for ts in ahead.values() for t in ts}
+
+    def parts(t: int) -> tuple[list[Message], list[Message]]:
+        """Round ``t``'s receives: those posted at once, and the activations whose header is
+        read from that batch first (a handshake's first over each boundary)."""
+        recvs = recv_at.get(t, [])
+        later = [m for m in recvs if not m.header and m.kind == ACTIVATION
+                 and Message(ACTIVATION, m.stage, m.microbatch, header=True) in recvs]
+        return [m for m in recvs if m not in later], later
+
     prog: list[Instruction] = []
     batch_of: dict[Message, int] = {}
     waited: set[int] = set()
     ran: set[int] = set()  # this rank's stages that have run a forward (their output shape is known)
     nb = 0
+
+    def post(sends: list[Message], recvs: list[Message]) -> None:
+        nonlocal nb
+        assert all(m.kind == ACTIVATION or m.header or m.dst_stage in ran for m in recvs), rank  # gradient shapes known
+        prog.append(Post(nb, tuple(sends), tuple(recvs)))
+        batch_of.update((m, nb) for m in recvs)
+        nb += 1
+
     for t in sorted(set(recv_at) | set(send_at) | set(starts)):
-        recvs = recv_at.get(t, [])
-        # a handshake's first activation over a boundary waits for its header, read from this batch
-        later = [m for m in recvs if not m.header and m.kind == ACTIVATION
-                 and Message(ACTIVATION, m.stage, m.microbatch, header=True) in recvs]
-        first = [m for m in recvs if m not in later]
-        assert all(m.kind == ACTIVATION or m.dst_stage in ran for m in first), (rank, t)  # gradient shapes known
-        for part, send in ((first, send_at.get(t, [])), (later, [])):
-            if not part and not send:
-                continue
-            if part is later:
-                for m in later:
-                    h = Message(ACTIVATION, m.stage, m.microbatch, header=True)
-                    prog.append(Read(batch_of[h], h))
-                    waited.add(batch_of[h])
-            prog.append(Post(nb, tuple(send), tuple(part)))
-            batch_of.update((m, nb) for m in part)
-            nb += 1
+        first, later = parts(t)
+        if t in early:
+            first = []
+        if first or send_at.get(t):
+            post(send_at.get(t, []), first)
+        if later:
+            for m in later:
+                h = Message(ACTIVATION, m.stage, m.microbatch, header=True)
+                prog.append(Read(batch_of[h], h))
+                waited.add(batch_of[h])
+            post([], later)
         k = starts.get(t)
         if k is not None:
             y = needed_by(schedule[rank][k], n_stages)
-            if y is not None and batch_of[y] not in waited:
+            if y is not None and not is_local(y, owners) and batch_of[y] not in waited:
                 waited.add(batch_of[y])
                 prog.append(Wait(batch_of[y], y))
+            for u in ahead[k]:  # after the wait: a batch holding later rounds' receives is not waited for here
+                if parts(u)[0]:
+                    post([], parts(u)[0])
             prog.append(Run(k))
             if schedule[rank][k].kind == "F":
                 ran.add(schedule[rank][k].stage)

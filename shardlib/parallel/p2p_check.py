@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ShardingError
-from .p2p import Post, Read, Run, Wait, needed_by
-from .schedules import Action
+from .actions import Action, stage_owners
+from .p2p import Post, Read, Run, Wait, is_local, needed_by
+from .simulate import action_costs
 
 __all__ = ["check_programs", "ProgramCheck"]
 
@@ -35,17 +36,17 @@ class ProgramCheck:
 def _pairs(schedule, programs) -> dict:
     """Sends and posted receives of each directed pair, in posting order; raises unless they
     are the same sequence on both ends."""
-    p = len(schedule)
     n_stages = 1 + max(a.stage for acts in schedule for a in acts)
+    owners = stage_owners(schedule)
     sent: dict = {}
     got: dict = {}
     for r, prog in enumerate(programs):
         for ins in prog:
             if isinstance(ins, Post):
                 for m in ins.sends:
-                    sent.setdefault((r, m.dst_stage % p), []).append(m)
+                    sent.setdefault((r, owners[m.dst_stage]), []).append(m)
                 for m in ins.recvs:
-                    got.setdefault((m.stage % p, r), []).append(m)
+                    got.setdefault((owners[m.stage], r), []).append(m)
     for key in sorted(set(sent) | set(got)):
         a, b = sent.get(key, []), got.get(key, [])
         if a != b:
@@ -62,7 +63,7 @@ def _pairs(schedule, programs) -> dict:
                 ready.update(recvs.get(ins.batch, ()))
             elif isinstance(ins, Run):
                 y = needed_by(schedule[r][ins.index], n_stages)
-                if y is not None and y not in ready:
+                if y is not None and not is_local(y, owners) and y not in ready:
                     raise ShardingError(f"rank {r} runs {schedule[r][ins.index]} before waiting for {y}")
         if set(recvs) - {ins.batch for ins in prog if isinstance(ins, (Wait, Read))}:
             raise ShardingError(f"rank {r} posts batches it never waits for")
@@ -102,6 +103,8 @@ def check_programs(schedule: list[list[Action]], programs: list, semantics: str 
         raise ShardingError(f"check_programs: semantics must be 'nccl' or 'gloo', got {semantics!r}")
     pairs = _pairs(schedule, programs)
     p = len(programs)
+    owners = stage_owners(schedule)
+    costs = action_costs(backward_cost)
     nccl = semantics == "nccl"
     # the peer batch of each operation, by order on the directed pair
     order: dict = {}
@@ -109,9 +112,9 @@ def check_programs(schedule: list[list[Action]], programs: list, semantics: str 
         for ins in prog:
             if isinstance(ins, Post):
                 for m in ins.sends:
-                    order.setdefault(("s", r, m.dst_stage % p), []).append((r, ins.batch))
+                    order.setdefault(("s", r, owners[m.dst_stage]), []).append((r, ins.batch))
                 for m in ins.recvs:
-                    order.setdefault(("r", m.stage % p, r), []).append((r, ins.batch))
+                    order.setdefault(("r", owners[m.stage], r), []).append((r, ins.batch))
     partners: dict = {}  # (rank, batch) -> [(peer rank, peer batch)]
     for (kind, a, b), ops in order.items():
         if kind == "s":
@@ -190,7 +193,7 @@ def check_programs(schedule: list[list[Action]], programs: list, semantics: str 
             for j, (index, _) in enumerate(issued_runs[r]):
                 if comp_done.get((r, index)) is None and compute_ready(r, j):
                     a = schedule[r][index]
-                    comp_done[(r, index)] = t + (1 if a.kind == "F" else backward_cost)
+                    comp_done[(r, index)] = t + costs[a.kind]
                     moved = True
         return moved
 

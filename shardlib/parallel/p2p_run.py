@@ -67,14 +67,15 @@ class Transfers:
         mesh, axis: the mesh and its pipeline axis.
         fake: torch's fake group (a dry run): operations posted one by one (its
             ``batch_isend_irecv`` takes no meta tensors), receive buffers zeros (nothing arrives).
+        owners: ``{stage: pp rank}`` (the schedule's placement), which names each message's peer.
 
     Attributes:
         inbox: receive buffers by message, for the step running (valid once waited for).
         outbox: tensors to send by message (filled by the step's actions).
     """
 
-    def __init__(self, mesh, axis: str, fake: bool):
-        self.mesh, self.axis, self.fake = mesh, axis, fake
+    def __init__(self, mesh, axis: str, fake: bool, owners: dict[int, int]):
+        self.mesh, self.axis, self.fake, self.owners = mesh, axis, fake, owners
         self.p = mesh.size(axis)
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
@@ -104,14 +105,14 @@ class Transfers:
         no meta tensors) each is an ``isend`` / ``irecv`` in the batch's order. The operations are
         issued first and traced and counted after, so a send leaves as soon as the compute that
         made it ends (the Python between the two is on the pipeline's critical path)."""
-        device, mesh, p = self.mesh.device, self.mesh, self.p
+        device, mesh, owners = self.mesh.device, self.mesh, self.owners
         ops = []  # (send?, tensor, the peer's index on the axis = its rank in the axis's group, message)
         for msg in ins.sends:
             if msg.header:
                 t = _header(self.outbox[Message(msg.kind, msg.stage, msg.microbatch)], device)
             else:
                 t = self.outbox.pop(msg)
-            ops.append((True, t, msg.dst_stage % p, msg))
+            ops.append((True, t, owners[msg.dst_stage], msg))
         alloc = torch.zeros if self.fake else torch.empty
         for msg in ins.recvs:
             if msg.header:
@@ -119,7 +120,7 @@ class Transfers:
             else:
                 shape, dtype = shapes[("in" if msg.kind == ACTIVATION else "out", msg.dst_stage)]
                 buf = alloc(shape, dtype=dtype, device=device)
-            ops.append((False, buf, msg.stage % p, msg))
+            ops.append((False, buf, owners[msg.stage], msg))
             self.inbox[msg] = buf
         works = self._issue(ops)
         recs, slots = [], []

@@ -40,9 +40,11 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from ..random import MicrobatchDropout
+from .actions import rank_stages, stage_owners
 from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, receives_first, transfer_program
 from .p2p_run import Transfers
-from .schedules import build_schedule
+from .schedules import build_schedule, placement
+from .split_backward import backward_input
 
 __all__ = ["Stage", "pipeline_layers", "partition", "PipelineRunner", "timeline_svg", "measured_bubble"]
 
@@ -111,16 +113,18 @@ class Stage(nn.Module):
 
 
 def partition(model: nn.Module, rank: int, world_size: int, num_model_chunks: int = 1,
-              split_points: list[str] | None = None) -> Stage:
-    """This rank's stage(s) of ``model``: chunks ``rank, rank + p, ...`` of ``p * v`` stages.
+              split_points: list[str] | None = None, stage_placement: str = "loop") -> Stage:
+    """This rank's stage(s) of ``model``: of ``p * v`` stages, chunks ``rank, rank + p, ...``
+    (``"loop"``) or ``rank, 2p - 1 - rank, ...`` (``"v"``; :func:`~.actions.rank_stages`).
 
     Args:
         model: a model with ``pipeline_layers()`` or an ``nn.Sequential``.
         rank, world_size: this rank's index on the pipeline axis, and its size ``p``.
-        num_model_chunks: ``v``, stages per rank (interleaved schedules).
+        num_model_chunks: ``v``, stages per rank (interleaved and V schedules).
         split_points: names of the layers that start stages 1, 2, ... (``p * v - 1`` names);
             default: balanced by parameter count (the first and last stage include the
             embedding and the head).
+        stage_placement: ``"loop"`` or ``"v"`` (the schedule's, :func:`~.schedules.placement`).
 
     Raises:
         ShardingError: fewer layers than stages, or bad split points.
@@ -143,7 +147,7 @@ def partition(model: nn.Module, rank: int, world_size: int, num_model_chunks: in
         sizes = [sum(p.numel() for m in mods.values() for p in m.parameters()) for _, mods, _ in layers]
         starts = _balanced_starts(sizes, n_stages)
     bounds = starts + [len(layers)]
-    chunks = [layers[bounds[s] : bounds[s + 1]] for s in range(rank, n_stages, world_size)]
+    chunks = [layers[bounds[s] : bounds[s + 1]] for s in rank_stages(rank, world_size, num_model_chunks, stage_placement)]
     return Stage(chunks)
 
 
@@ -185,10 +189,16 @@ class PipelineRunner:
     Args:
         smodel: the sharded :class:`Stage` of this rank (a ShardedModule).
         mesh, axis: the mesh and its pipeline axis.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        schedule: a name of :data:`~shardlib.parallel.schedules.SCHEDULES`.
         microbatches: microbatches per step ``m``.
         virtual_stages: ``v``.
         tied: ``[(name, param or None, numel, dtype)]`` of parameters tied across stages.
+
+    Split backwards (the zero-bubble schedules' ``I`` and ``W``) run through
+    :mod:`~shardlib.parallel.split_backward`: ``I`` computes the gradient to the stage input and
+    sends it upstream, leaving what its ``W`` needs; ``W`` accumulates the parameter gradients,
+    which ZeRO reduces once per step, after the step's last ``W``. Two stages of one rank (the
+    bottom of a V) hand their activation and gradient over in memory.
     """
 
     def __init__(self, smodel, mesh, axis: str, schedule: str, microbatches: int, virtual_stages: int, tied: list):
@@ -198,6 +208,10 @@ class PipelineRunner:
         self.schedule = build_schedule(schedule, self.p, microbatches, virtual_stages)  # every rank's actions
         self.actions = self.schedule[self.rank]
         self.n_stages = self.p * self.v
+        self.owners = stage_owners(self.schedule)  # stage -> pp rank
+        # stage -> the index of its chunk in this rank's Stage (partition()'s order)
+        self.chunk_of = {s: c for c, s in enumerate(rank_stages(self.rank, self.p, self.v, placement(schedule)))}
+        self.last_rank = self.owners[self.n_stages - 1]  # the rank that computes the losses
         self.ranks = mesh.axis_ranks(axis)
         self.group = mesh.group(axis)
         # torch's fake group (a dry run in one process): sends complete at once and count their
@@ -209,7 +223,7 @@ class PipelineRunner:
         self.training = True
         self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
         self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
-        self.transfers = Transfers(mesh, axis, self.fake)
+        self.transfers = Transfers(mesh, axis, self.fake, self.owners)
 
     def program(self, training: bool, handshake: bool) -> tuple:
         """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
@@ -263,7 +277,7 @@ class PipelineRunner:
             shapes = {}
             if self.fake:  # nothing arrives on a fake group: the planned boundary shape
                 planned = (pplan.boundary_shape(x.shape[0] // m, x.shape[1]), pplan.boundary_dtype)
-                shapes.update((("in", s), planned) for s in range(self.rank, self.n_stages, self.p) if s > 0)
+                shapes.update((("in", s), planned) for s in self.chunk_of if s > 0)
         self.runs += 1
         self.training = backward
         tag = 0 if self.mesh.native else (self.runs % 256) * 2 + int(backward)  # see the class doc
@@ -282,6 +296,9 @@ class PipelineRunner:
         # masks by global sample, counters per step
         drops = MicrobatchDropout(self.smodel.module, m) if drawing else None
         timeline = self.timeline = []
+        weights: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> its W's WeightPass, between I and W
+        zero = self.smodel._zero
+        reduce = zero.sync  # False inside an enclosing no_sync(): accumulate, reduce at a later step
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis
         with self.smodel.no_sync():
@@ -300,7 +317,7 @@ class PipelineRunner:
                     shapes[("in", ins.message.dst_stage)] = transfers.read(ins.batch, ins.message)
                     continue
                 a = actions[ins.index]
-                chunk, mb = a.stage // self.p, a.microbatch
+                mb = a.microbatch
                 if a.kind == "F":
                     if a.stage == 0:
                         inp = xs[mb]
@@ -309,38 +326,53 @@ class PipelineRunner:
                     start = time.perf_counter()  # compute only: waiting for the input is idle time
                     if drawing:
                         with drops.forward(mb):
-                            out = self.smodel(chunk, inp)
+                            out = self.smodel(self.chunk_of[a.stage], inp)
                     else:
-                        out = self.smodel(chunk, inp)
+                        out = self.smodel(self.chunk_of[a.stage], inp)
                     if a.stage == last:
                         loss = criterion(out, *[y[mb] for y in ys])
                         losses[mb] = loss.detach()
                         if return_outputs:
                             outs[mb] = out.detach()
                         out = loss / m  # what the backward starts from
+                    elif self.owners[a.stage + 1] == self.rank:  # the next stage is this rank's: handed over
+                        inbox[Message(ACTIVATION, a.stage, mb)] = out.detach()
                     else:
                         _queue_output(transfers.outbox, shapes, Message(ACTIVATION, a.stage, mb), out)
                     end = time.perf_counter()
                     if backward:
                         outputs[(a.stage, mb)] = out
                         inputs[(a.stage, mb)] = inp
-                else:
+                elif a.kind == "W":  # the parameter gradients its I left
+                    start = time.perf_counter()
+                    weights.pop((a.stage, mb)).run(zero)
+                    end = time.perf_counter()
+                else:  # "B" (full) or "I" (to the input only)
                     out = outputs.pop((a.stage, mb))
                     inp = inputs.pop((a.stage, mb))
                     grad = None if a.stage == last else inbox.pop(Message(GRADIENT, a.stage + 1, mb))
                     start = time.perf_counter()
-                    torch.autograd.backward(out, grad)
+                    if a.kind == "B":
+                        torch.autograd.backward(out, grad)
+                        dinp = inp.grad
+                    else:
+                        dinp, weights[(a.stage, mb)] = backward_input(out, grad, inp)
+                    del out, grad
                     end = time.perf_counter()
                     if a.stage > 0:
-                        grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)  # an input it did not use
-                        transfers.outbox[Message(GRADIENT, a.stage, mb)] = grad.contiguous()
+                        dinp = dinp if dinp is not None else torch.zeros_like(inp)  # an input it did not use
+                        msg = Message(GRADIENT, a.stage, mb)
+                        if self.owners[a.stage - 1] == self.rank:
+                            inbox[msg] = dinp
+                        else:
+                            transfers.outbox[msg] = dinp.contiguous()
                 timeline.append((str(a), start, end))
         if handshake:
             self.shapes[sig] = shapes
-        if backward:
+        if backward and reduce:  # inside an enclosing no_sync(): the step's gradients wait, unreduced
             self._sum_tied_grads()
-            self.smodel._zero.sync_grads()
-        if self.rank == self.p - 1:
+            zero.sync_grads()
+        if self.rank == self.last_rank:
             return losses, (outs if return_outputs else None)
         return None, None
 
@@ -371,32 +403,5 @@ def _queue_output(outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -
     outbox[msg] = t
 
 
-def measured_bubble(timelines: list[list[tuple[str, float, float]]]) -> list[float]:
-    """Idle fraction per rank: 1 - busy time / (last end - first start over all ranks)."""
-    start = min(t[1] for tl in timelines for t in tl)
-    end = max(t[2] for tl in timelines for t in tl)
-    return [1 - sum(e - s for _, s, e in tl) / (end - start) for tl in timelines]
-
-
-def timeline_svg(timelines: list[list[tuple[str, float, float]]], width: int = 900) -> str:
-    """An SVG picture of per-rank timelines ``[(action, start s, end s)]``: one row per rank,
-    forwards blue, backwards orange, labelled like ``1F0``."""
-    start = min(t[1] for tl in timelines for t in tl)
-    end = max(t[2] for tl in timelines for t in tl)
-    scale = (width - 80) / max(end - start, 1e-9)
-    row = 28
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{row * len(timelines) + 30}" '
-             'font-family="monospace" font-size="10">']
-    for r, tl in enumerate(timelines):
-        y = 10 + r * row
-        parts.append(f'<text x="4" y="{y + 16}">rank {r}</text>')
-        for name, s, e in tl:
-            x, w = 70 + (s - start) * scale, max((e - s) * scale, 1)
-            color = "#4e79a7" if "F" in name else "#f28e2b"
-            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" stroke="white">'
-                         f'<title>{name}: {(e - s) * 1e3:.2f} ms</title></rect>')
-            if w > 18:
-                parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white">{name}</text>')
-    parts.append(f'<text x="70" y="{row * len(timelines) + 24}">{(end - start) * 1e3:.1f} ms; bubble per rank '
-                 + ", ".join(f"{b:.2f}" for b in measured_bubble(timelines)) + "</text></svg>")
-    return "\n".join(parts)
+# the timeline helpers live in shardlib/parallel/timeline.py (re-exported here)
+from .timeline import measured_bubble, timeline_svg  # noqa: E402

@@ -1,13 +1,14 @@
 """Pipeline schedules as data: per-rank lists of actions, checked and drawn without processes.
 
-An :class:`Action` is ``(stage, kind, microbatch)``: run the forward (``"F"``) or backward
-(``"B"``) of virtual stage ``stage`` on microbatch ``microbatch`` (torch.distributed.pipelining
-writes ``1F0``). Communication is implied: a forward of stage ``s < S - 1`` sends its output
-to stage ``s + 1``; a backward of stage ``s > 0`` sends the input gradient to ``s - 1``. With
-``v`` model chunks per rank and ``p`` ranks, stage ``s`` lives on rank ``s % p`` (Megatron's
-interleaving), so ``S = p * v``.
+A schedule is, for each pp rank, the list of :class:`~.actions.Action` s it runs in order
+(``1F0``: stage 1, forward, microbatch 0; ``B`` a full backward, ``I`` / ``W`` the two halves of a
+split one, see :mod:`.actions`). Communication is implied: a forward of stage ``s < S - 1``
+sends its output to stage ``s + 1``; a backward (``B`` or ``I``) of stage ``s > 0`` sends the
+input gradient to ``s - 1``; nothing moves between two stages on one rank. ``S = p * v``
+stages over ``p`` ranks, placed as the schedule says (:data:`PLACEMENT`: Megatron's loop,
+stage ``s`` on rank ``s % p``, or the V of the zero-bubble schedules).
 
-Schedules:
+Schedules (:data:`SCHEDULES`):
 
 - GPipe (Huang et al., arXiv 1811.06965): all forwards, then all backwards. Stashes ``m``
   microbatches per stage; bubble ``(p - 1) / (m + p - 1)``.
@@ -16,32 +17,25 @@ Schedules:
   at most ``p - r`` stashed microbatches.
 - Interleaved 1F1B (Narayanan et al., arXiv 2104.04473, section 2.2): ``v`` chunks per rank,
   bubble ``(p - 1) / (v m + p - 1)``; needs ``m`` divisible by ``p``.
+- ZB-H1, ZB-V (Qi et al., arXiv 2401.10241) and DualPipeV (DeepSeek-V3, arXiv 2412.19437):
+  split backwards, see :mod:`.zero_bubble`.
 
-:func:`simulate` executes a schedule on a clock (forward 1 unit, backward ``backward_cost``
-units) honouring the data dependencies: it returns the step-by-rank grid and raises on a
-deadlock, so every schedule is validated for any ``p``, ``m``, ``v`` without processes.
+:func:`~.simulate.simulate` executes a schedule on a clock honouring the data dependencies:
+it returns the step-by-rank grid and raises on a deadlock, so every schedule is validated for
+any ``p``, ``m``, ``v`` without processes; :mod:`.schedule_theory` has each paper's bubble and
+stash formulas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..errors import ShardingError
+from .actions import Action, check_sizes as _check
+from .simulate import Simulation, format_grid, simulate
+from .zero_bubble import dualpipev, zb_h1, zbv
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "build_schedule", "simulate", "Simulation",
-           "bubble_fraction", "format_grid", "SCHEDULES"]
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """Forward or backward of one virtual stage on one microbatch."""
-
-    stage: int
-    kind: str  # "F" or "B"
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "build_schedule",
+           "simulate", "Simulation", "bubble_fraction", "format_grid", "SCHEDULES", "PLACEMENT", "placement",
+           "default_virtual_stages"]
 
 
 def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
@@ -120,126 +114,35 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
     return ranks
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb_h1": zb_h1, "zbv": zbv,
+             "dualpipev": dualpipev}
+# where each schedule puts its stages (.actions): the V schedules hold two chunks per rank by default
+PLACEMENT = {"zbv": "v", "dualpipev": "v"}
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """The schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``) for ``p`` ranks,
-    ``m`` microbatches and ``v`` chunks per rank.
+def placement(name: str) -> str:
+    """``"loop"`` (stage ``s`` on rank ``s % p``) or ``"v"`` (:mod:`.actions`) for schedule ``name``."""
+    return PLACEMENT.get(name, "loop")
+
+
+def default_virtual_stages(name: str) -> int:
+    """The chunks per rank schedule ``name`` runs when ``virtual_stages`` is not given: 2 for
+    the V schedules, else 1."""
+    return 2 if placement(name) == "v" else 1
+
+
+def build_schedule(name: str, p: int, m: int, v: int | None = None) -> list[list[Action]]:
+    """The schedule ``name`` (a key of :data:`SCHEDULES`) for ``p`` ranks, ``m`` microbatches and
+    ``v`` chunks per rank (default :func:`default_virtual_stages`).
 
     Raises:
         ShardingError: an unknown name, or sizes the schedule does not support.
     """
     if name not in SCHEDULES:
         raise ShardingError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name](p, m, v)
-
-
-def _check(p: int, m: int, v: int, name: str) -> None:
-    for label, value in (("pipeline size", p), ("microbatches", m), ("model chunks per rank", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ShardingError(f"{name}: {label} must be a positive int, got {value!r}")
+    return SCHEDULES[name](p, m, default_virtual_stages(name) if v is None else v)
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Theoretical idle fraction: ``(p - 1) / (v m + p - 1)`` (GPipe and 1F1B have ``v = 1``)."""
     return (p - 1) / (v * m + p - 1)
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """A schedule run on a clock.
-
-    Attributes:
-        grid: ``grid[t][r]``, the action rank ``r`` runs during time unit ``t`` (``None``: idle).
-        makespan: time units until the last action ends.
-        busy: time units each rank computes.
-        peak_stash: per rank, the most microbatches forwarded but not yet backwarded at once.
-    """
-
-    grid: list[list[Action | None]]
-    makespan: int
-    busy: list[int]
-    peak_stash: list[int]
-
-    def bubble(self) -> list[float]:
-        """Idle fraction per rank over the makespan."""
-        return [1 - b / self.makespan for b in self.busy]
-
-
-def simulate(schedule: list[list[Action]], backward_cost: int = 1) -> Simulation:
-    """Execute ``schedule`` on a clock, honouring data dependencies; check it is complete.
-
-    A forward of stage ``s > 0`` waits for the forward of ``s - 1`` on the same microbatch; a
-    backward waits for its own forward and for the backward of ``s + 1``. Each rank runs its
-    actions in order, one at a time.
-
-    Raises:
-        ShardingError: a deadlock (no rank can proceed), a duplicated or missing action, or a
-            backward listed before its forward on a rank.
-    """
-    p = len(schedule)
-    stages = 1 + max(a.stage for acts in schedule for a in acts)
-    micro = 1 + max(a.microbatch for acts in schedule for a in acts)
-    expected = {Action(s, k, i) for s in range(stages) for k in "FB" for i in range(micro)}
-    listed = [a for acts in schedule for a in acts]
-    if len(listed) != len(set(listed)) or set(listed) != expected:
-        raise ShardingError("schedule is not a permutation of every forward and backward")
-    for r, acts in enumerate(schedule):
-        for a in acts:
-            if a.stage % p != r:
-                raise ShardingError(f"action {a} is on rank {r}, but stage {a.stage} lives on rank {a.stage % p}")
-    done: dict[Action, int] = {}
-    pos = [0] * p
-    free_at = [0] * p
-    grid: list[list[Action | None]] = []
-    busy = [0] * p
-    stash = [0] * p
-    peak = [0] * p
-    t = 0
-    while any(pos[r] < len(schedule[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if pos[r] >= len(schedule[r]) or free_at[r] > t:
-                continue
-            a = schedule[r][pos[r]]
-            deps = []
-            if a.kind == "F" and a.stage > 0:
-                deps.append(Action(a.stage - 1, "F", a.microbatch))
-            if a.kind == "B":
-                deps.append(Action(a.stage, "F", a.microbatch))
-                if a.stage < stages - 1:
-                    deps.append(Action(a.stage + 1, "B", a.microbatch))
-            if all(d in done and done[d] <= t for d in deps):
-                cost = 1 if a.kind == "F" else backward_cost
-                done[a] = t + cost
-                free_at[r] = t + cost
-                busy[r] += cost
-                pos[r] += 1
-                stash[r] += 1 if a.kind == "F" else -1
-                peak[r] = max(peak[r], stash[r])
-                while len(grid) < t + cost:
-                    grid.append([None] * p)
-                for k in range(cost):
-                    grid[t + k][r] = a
-                progressed = True
-        if not progressed and all(f <= t for f in free_at) and not any(v > t for v in done.values()):
-            waiting = [r for r in range(p) if pos[r] < len(schedule[r])]
-            raise ShardingError(
-                "pipeline schedule deadlocks: " + ", ".join(f"rank {r} waits at {schedule[r][pos[r]]}" for r in waiting)
-            )
-        t += 1
-    makespan = max(done.values()) if done else 0
-    while len(grid) < makespan:
-        grid.append([None] * p)
-    return Simulation(grid, makespan, busy, peak)
-
-
-def format_grid(sim: Simulation) -> str:
-    """The simulated schedule as a step-by-rank table (torch's ``_format_pipeline_order`` style)."""
-    p = len(sim.busy)
-    width = max([len(str(a)) for row in sim.grid for a in row if a is not None] + [4])
-    lines = ["step " + " ".join(f"rank{r}".rjust(width) for r in range(p))]
-    for t, row in enumerate(sim.grid):
-        lines.append(f"{t:>4} " + " ".join((str(a) if a is not None else ".").rjust(width) for a in row))
-    return "\n".join(lines)

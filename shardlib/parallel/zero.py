@@ -38,6 +38,8 @@ gathers it again in backward, prefetching the next chunk in each direction
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -321,6 +323,20 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
                 self._finish_reduce(chunk)
             self._next_reduce = 0
         self._forget_backward()
+
+    @contextlib.contextmanager
+    def one_backward(self):
+        """Several backward calls in the block count as one backward: a split backward's weight
+        pass (:mod:`~shardlib.parallel.split_backward`: one call per parameter group). No
+        end-of-backward callback is queued inside; the end-of-backward work (stage 3: freeing
+        the chunks, which stay gathered across the calls; packing deferred gradients; the
+        reductions when syncing) runs once, at the exit. A call that raises leaves the backward
+        abandoned, recovered as any other (:meth:`recover_abandoned_backward`)."""
+        if self._callback_queued:
+            self.recover_abandoned_backward()
+        self._callback_queued = True  # what a backward's first hook would queue, held until the exit
+        yield
+        self._end_backward()
 
     def sync_grads(self) -> None:
         """Reduce the gradients accumulated under ``no_sync()`` now (the pipeline calls this
