@@ -330,6 +330,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     build_schedule(schedule, p, m, v)  # checks the name and the sizes
     where = placement(schedule)
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
+    _check_split_backward(schedule, p, m, v, whole)
     if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
         raise ShardingError(
             f"sequence_parallel=True on the pipeline mesh {dict(mesh.shape)}: {type(model).__name__}'s pipeline layers "
@@ -370,6 +371,21 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
                         stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
                         activation_width=_activation_width(model), state_names=_state_names(whole, modules),
                         model_name=type(model).__name__, mesh=mesh)
+
+
+def _check_split_backward(schedule: str, p: int, m: int, v: int, whole: "Plan") -> None:
+    """Refuse selective recompute under a schedule that splits backwards: torch's selective
+    checkpointing lets one backward through a region, and a split backward runs two (``I``, then
+    ``W`` from the kept intermediates, :mod:`~shardlib.parallel.split_backward`)."""
+    if not any(a.kind == "I" for acts in build_schedule(schedule, p, m, v) for a in acts):
+        return
+    chosen = [path for path, mode in whole.activation_checkpointing if mode == "selective"]
+    if chosen:
+        raise ShardingError(
+            f"activation_checkpointing='selective' ({len(chosen)} modules, e.g. {chosen[0]!r}) with schedule={schedule!r}: "
+            "the schedule splits each backward into the input gradient (I) and the weight gradients (W), two backward "
+            "passes through every block, and torch's selective checkpointing allows one. Fix: "
+            "activation_checkpointing='full' (or every k-th block), or schedule='1f1b' / 'interleaved_1f1b'")
 
 
 def _state_names(whole: "Plan", modules: list[Stage]) -> tuple:

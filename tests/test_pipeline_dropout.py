@@ -2,7 +2,8 @@
 
 A sharded run with dropout on trains like one process (losses, gradients, parameters after every
 step, under the equivalence harness's tolerance model) on pipelines with 1, 2 and 4
-microbatches, interleaved 1F1B, pp x dp, pp x tp with sequence parallelism, and without a
+microbatches, interleaved 1F1B, the zero-bubble schedules (with activation checkpointing, whose
+recompute runs in both halves of a split backward), pp x dp, pp x tp with sequence parallelism, and without a
 pipeline on dp and tp + sequence parallelism; its dropout counters are the single process's, so a
 checkpoint resumes on another mesh and microbatching as if the run had not stopped.
 """
@@ -120,6 +121,11 @@ CASES = [
     ({"pp": 2}, 2, 0.5, {"schedule": "interleaved_1f1b", "microbatches": 2, "virtual_stages": 2}),
     ({"pp": 2, "dp": 2}, 4, 0.1, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 1}),
     ({"pp": 2, "tp": 2}, 4, 0.5, {"schedule": "1f1b", "microbatches": 2, "tp_specs": True, "sequence_parallel": True}),
+    # split backwards: the recompute of a checkpointed block runs in I and again in W, drawing the forward's masks
+    ({"pp": 2}, 4, 0.5, {"schedule": "zb_h1", "microbatches": 2, "activation_checkpointing": "full"}),
+    ({"pp": 2, "dp": 2}, 2, 0.1, {"schedule": "zbv", "microbatches": 2, "zero_stage": 3,
+                                  "activation_checkpointing": 2}),
+    ({"pp": 2}, 2, 0.5, {"schedule": "dualpipev", "microbatches": 4}),
     ({"dp": 2}, 4, 0.5, {"zero_stage": 3}),
     ({"tp": 2}, 4, 0.1, {"tp_specs": True, "sequence_parallel": True}),
 ]
@@ -169,7 +175,7 @@ def test_pipeline_checkpoint_resumes_on_any_layout(tmp_path):
     """pp=2 with 2 microbatches, one step, a checkpoint: resumed there, the next two steps are bit
     for bit those of the run that never stopped; resumed on pp=2 with 4 microbatches and on dp=2
     (no pipeline), they equal one process's steps 1-2 under the tolerance model: the saved
-    counters mean forwards of the global batch on every layout."""
+    counters mean forwards of the global batch on every layout; and on ZB-V's V layout."""
     path = str(tmp_path / "ckpt")
     pp = ({"pp": 2}, {"schedule": "1f1b", "microbatches": 2})
     straight = run_on(2, _resume_worker, *pp, str(tmp_path / "unused"), 0, STEPS)
@@ -180,7 +186,9 @@ def test_pipeline_checkpoint_resumes_on_any_layout(tmp_path):
             assert a["loss"] == b["loss"]
             assert all(torch.equal(a["params"][k], v) for k, v in b["params"].items())
     ref, bands, _ = _reference(4, 0.5)
-    for shape, options in [({"pp": 2}, {"schedule": "gpipe", "microbatches": 4}), ({"dp": 2}, {})]:
+    # (ZB-V: stages 0 and 3 on rank 0, the checkpoint's stages 0-1 and 2-3 cut differently)
+    for shape, options in [({"pp": 2}, {"schedule": "gpipe", "microbatches": 4}), ({"dp": 2}, {}),
+                           ({"pp": 2}, {"schedule": "zbv", "microbatches": 2})]:
         _compare(run_on(2, _resume_worker, shape, options, path, 1, STEPS), ref, bands, first_step=1)
 
 

@@ -97,19 +97,19 @@ def _expected(runner, handshake, seq):
     out = []
     for ins in program:
         if isinstance(ins, Post):
-            ops = [("isend", runner.ranks[m.dst_stage % runner.p], m) for m in ins.sends]
-            ops += [("irecv", runner.ranks[m.stage % runner.p], m) for m in ins.recvs]
+            ops = [("isend", runner.ranks[runner.owners[m.dst_stage]], m) for m in ins.sends]
+            ops += [("irecv", runner.ranks[runner.owners[m.stage]], m) for m in ins.recvs]
             out.append([(op, peer, (10,) if m.header else (2, seq, 16), "torch.int64" if m.header else "torch.float32")
                         for op, peer, m in ops])
     return out
 
 
-def _transfers_worker(native: bool, seqs: list):
+def _transfers_worker(native: bool, seqs: list, schedule: str):
     mesh = shardlib.init_mesh({"pp": 2})
     torch.manual_seed(0)
     ref = GPT(_config())
     torch.manual_seed(0)
-    smodel = shardlib.shard(GPT(_config()), mesh, microbatches=2, schedule="1f1b")
+    smodel = shardlib.shard(GPT(_config()), mesh, microbatches=2, schedule=schedule)
     g = torch.Generator().manual_seed(1)
     steps, record, seen = [], [], set()
     with nccl_like_p2p(mesh, record) if native else recorded_p2p(record):
@@ -126,17 +126,20 @@ def _transfers_worker(native: bool, seqs: list):
             steps.append({"calls": [[c[:4] for c in call] for call in record], "tags": {c[4] for call in record for c in call},
                           "expected": _expected(smodel.runner, handshake, seq), "handshake": handshake,
                           "traced": len(p2p), "loss": None if losses is None else torch.stack(losses).mean().item(),
-                          "ref": ref_loss})
+                          "ref": ref_loss, "last": smodel.runner.last_rank == mesh.index("pp")})
     return steps
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 @pytest.mark.parametrize("native", [False, True])
-def test_runner_posts_its_checked_program_and_shapes_once_per_input_shape(native):
+def test_runner_posts_its_checked_program_and_shapes_once_per_input_shape(native, schedule):
     """Sequence lengths 8, 8, 6, 8: headers in the first step of each new shape only (step 2
     re-handshakes, step 3 finds 8 cached); every step's calls are its program's Posts, every
-    traced transfer goes through them; losses equal the unsharded model's on every batch."""
+    traced transfer goes through them; losses equal the unsharded model's on every batch. ZB-V
+    (stages 0 and 3 on rank 0, 1 and 2 on rank 1): two boundaries cross ranks, one header each
+    way per rank; the 1 -> 2 boundary is handed over in memory."""
     seqs = [8, 8, 6, 8]
-    results = run_on(2, _transfers_worker, native, seqs)
+    results = run_on(2, _transfers_worker, native, seqs, schedule)
     for rank, steps in enumerate(results):
         assert [s["handshake"] for s in steps] == [True, False, True, False]
         for i, s in enumerate(steps):
@@ -149,12 +152,14 @@ def test_runner_posts_its_checked_program_and_shapes_once_per_input_shape(native
                     assert ops[:ops.count("irecv")] == ["irecv"] * ops.count("irecv") and "irecv" in ops
             assert s["traced"] == sum(len(c) for c in s["calls"])  # no transfer outside a batch
             headers = sum(op[2] == (10,) for call in s["calls"] for op in call)
-            assert headers == (1 if s["handshake"] else 0)  # one boundary: one header, from stage 0
+            # 1F1B: one boundary, one header from stage 0; ZB-V: 0 -> 1 and 2 -> 3
+            assert headers == ((1 if schedule == "1f1b" else 2) if s["handshake"] else 0)
             if native:
                 assert s["tags"] == {0}
             else:  # gloo's default path: the schedule's number and kind (training: odd)
                 assert s["tags"] == {(i + 1) * 2 + 1}
-            if rank == 1:
+            assert s["last"] == (rank == (1 if schedule == "1f1b" else 0))
+            if s["last"]:
                 # fp32, the mean of 2 microbatches' cross-entropies against one 4-row forward:
                 # measured 0 or 2.4e-7 (one ulp at ~3.6) over 8 batches; 1e-6 leaves room
                 assert s["loss"] == pytest.approx(s["ref"], abs=1e-6)
