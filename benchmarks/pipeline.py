@@ -1,7 +1,11 @@
 """Pipeline parallelism: shardlib schedules against ``torch.distributed.pipelining``.
 
 Pairs (pp = 2 gloo ranks, or ``--ranks 4``): shardlib ``schedule="gpipe"`` vs ``ScheduleGPipe``, ``"1f1b"`` vs
-``Schedule1F1B``, ``"interleaved_1f1b"`` (2 chunks per rank) vs ``ScheduleInterleaved1F1B``. Both
+``Schedule1F1B``, ``"interleaved_1f1b"`` (2 chunks per rank) vs ``ScheduleInterleaved1F1B``; the
+zero-bubble ones with split backwards, ``"zb_h1"`` vs ``ScheduleInterleavedZeroBubble`` (one chunk
+per rank: ZB-H1), ``"zbv"`` vs ``ScheduleZBVZeroBubble`` and ``"dualpipev"`` vs
+``ScheduleDualPipeV`` (two chunks per rank in a V; DualPipeV needs ``--microbatches`` >= 2 x ranks,
+its case is skipped otherwise). Both
 sides cut the same GPT into the same stages (shardlib's partition, balanced by parameter count;
 PyTorch gets one ``PipelineStage`` per chunk holding exactly those modules) and split the batch
 into the same microbatches; the embedding is not tied to the LM head here (torch.pipelining
@@ -32,9 +36,20 @@ from torch import nn
 from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
     torch_state_bytes, zero_state_formula
 
-CASES = ("gpipe_vs_ScheduleGPipe", "1f1b_vs_Schedule1F1B", "interleaved_vs_ScheduleInterleaved1F1B")
+CASES = ("gpipe_vs_ScheduleGPipe", "1f1b_vs_Schedule1F1B", "interleaved_vs_ScheduleInterleaved1F1B",
+         "zb_h1_vs_ScheduleInterleavedZeroBubble", "zbv_vs_ScheduleZBVZeroBubble", "dualpipev_vs_ScheduleDualPipeV")
 _SCHEDULES = {"gpipe": ("gpipe", 1, "ScheduleGPipe"), "1f1b": ("1f1b", 1, "Schedule1F1B"),
-              "interleaved": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B")}
+              "interleaved": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
+              "zb_h1": ("zb_h1", 1, "ScheduleInterleavedZeroBubble"), "zbv": ("zbv", 2, "ScheduleZBVZeroBubble"),
+              "dualpipev": ("dualpipev", 2, "ScheduleDualPipeV")}
+
+
+def _my_stages(schedule: str, p: int, v: int, rank: int) -> list[int]:
+    """The stages pp rank ``rank`` holds under ``schedule``'s placement (loop or V), in chunk order."""
+    from shardlib.parallel.actions import rank_stages
+    from shardlib.parallel.schedules import placement
+
+    return rank_stages(rank, p, v, placement(schedule))
 
 
 def _criterion(logits, y):
@@ -84,7 +99,7 @@ def shardlib_side(settings: Settings, mesh, schedule: str, v: int, m: int, data)
                 {"stage_layers": smodel.stage_layers, "plan_state": smodel.plan.model_state_bytes}, memtracker=False)
 
 
-def torch_side(settings: Settings, cls_name: str, v: int, m: int, data) -> Side:
+def torch_side(settings: Settings, cls_name: str, v: int, m: int, data, schedule: str = "1f1b") -> Side:
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
     from shardlib.parallel.pipeline import pipeline_layers
@@ -97,16 +112,18 @@ def torch_side(settings: Settings, cls_name: str, v: int, m: int, data) -> Side:
                          f"x {v} chunks")
     bounds = stage_bounds(model, p * v)
     stages, modules = [], []
-    for s in range(r, p * v, p):
+    mine = _my_stages(schedule, p, v, r)
+    for s in mine:
         mod = _OneChunk(layers[bounds[s]:bounds[s + 1]])
         modules.append(mod)
         stages.append(pipelining.PipelineStage(mod, s, p * v, torch.device("cpu")))
     cls = getattr(pipelining, cls_name)
-    sched = cls(stages if v > 1 else stages[0], m, loss_fn=_criterion)
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)  # takes a list of stages, even of one
+    sched = cls(stages if multi else stages[0], m, loss_fn=_criterion)
     params = [q for mod in modules for q in mod.parameters()]
     opt = torch.optim.AdamW(params, lr=settings.lr)
     holder = nn.ModuleList(modules)
-    first, last = r == 0, r == (p * v - 1) % p
+    first, last = 0 in mine, p * v - 1 in mine
 
     def step(i):
         x, y = data[i % len(data)]
@@ -126,17 +143,22 @@ def torch_side(settings: Settings, cls_name: str, v: int, m: int, data) -> Side:
     return Side(cls_name, step, [holder], [opt], lambda: torch_state_bytes(holder, opt), memtracker=False)
 
 
-def theory(settings: Settings, p: int, v: int, m: int, rank: int, stage_params: int, plan_state: int | None = None) -> dict:
+def theory(settings: Settings, p: int, v: int, m: int, rank: int, stage_params: int, plan_state: int | None = None,
+           schedule: str = "1f1b") -> dict:
+    from shardlib.parallel.actions import stage_rank
+    from shardlib.parallel.schedules import placement
+
     n_stages = p * v
     mb_tokens = settings.batch * 2 // m * settings.seq
     h = settings.gpt_config().n_embd
     per = 4 * mb_tokens * h
     sends = [0] * p
+    owner = [stage_rank(s, p, placement(schedule)) for s in range(n_stages)]  # a V's bottom boundary is on one rank
     for s in range(n_stages):
-        if s < n_stages - 1:
-            sends[s % p] += 1  # forward: activations to stage s + 1
-        if s > 0:
-            sends[s % p] += 1  # backward: gradients to stage s - 1
+        if s < n_stages - 1 and owner[s + 1] != owner[s]:
+            sends[owner[s]] += 1  # forward: activations to stage s + 1
+        if s > 0 and owner[s - 1] != owner[s]:
+            sends[owner[s]] += 1  # backward: gradients to stage s - 1
     return {"bytes_rank0": float(sends[0] * m * per), "bytes_per_rank": [float(k * m * per) for k in sends],
             "bytes_formula": f"b s h * 4 bytes per boundary per microbatch per direction; b s = {mb_tokens} tokens, "
                              f"h = {h}, m = {m}; boundaries sent per microbatch by rank: {sends}",
@@ -154,17 +176,19 @@ def worker(settings: Settings, cases=CASES, microbatches: int = 4, control: bool
     rows = []
     for case in cases:
         schedule, v, cls_name = _SCHEDULES[case.split("_vs_")[0]]
+        if schedule == "dualpipev" and microbatches < 2 * p:  # DualPipe needs a microbatch per stage
+            continue
         model = _model(settings)
         bounds = stage_bounds(model, p * v)
         from shardlib.parallel.pipeline import pipeline_layers
 
         layers = pipeline_layers(model)
-        mine = {id(q): q for s in range(rank, p * v, p) for _, mods, _ in layers[bounds[s]:bounds[s + 1]]
+        mine = {id(q): q for s in _my_stages(schedule, p, v, rank) for _, mods, _ in layers[bounds[s]:bounds[s + 1]]
                 for mod in mods.values() for q in mod.parameters()}
         stage_params = sum(q.numel() for q in mine.values())
-        th = theory(settings, p, v, microbatches, rank, stage_params)
+        th = theory(settings, p, v, microbatches, rank, stage_params, schedule=schedule)
         row = compare(case, lambda: shardlib_side(settings, mesh, schedule, v, microbatches, data),
-                      lambda: torch_side(settings, cls_name, v, microbatches, data), settings, th)
+                      lambda: torch_side(settings, cls_name, v, microbatches, data, schedule), settings, th)
         # state formula and plan are per rank: keep rank 0's in the theory, every rank's in the row
         per_rank = [None] * p
         dist.all_gather_object(per_rank, stage_params)
@@ -173,8 +197,9 @@ def worker(settings: Settings, cases=CASES, microbatches: int = 4, control: bool
             row["theory"]["state_plan"] = row["a"]["plan_state"]
         rows.append(row)
         if control:  # A/A: the same torch schedule on both sides, timed the same way: the ratio's noise this run
-            rows.append(compare(f"control_{cls_name}_vs_itself", lambda: torch_side(settings, cls_name, v, microbatches, data),
-                                lambda: torch_side(settings, cls_name, v, microbatches, data), settings, th))
+            rows.append(compare(f"control_{cls_name}_vs_itself",
+                                lambda: torch_side(settings, cls_name, v, microbatches, data, schedule),
+                                lambda: torch_side(settings, cls_name, v, microbatches, data, schedule), settings, th))
     return rows
 
 

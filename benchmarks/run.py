@@ -37,6 +37,9 @@ TIME_TARGETS = [
     ("gpipe_vs_ScheduleGPipe", "pipeline GPipe / ScheduleGPipe step time", 1.0),
     ("1f1b_vs_Schedule1F1B", "pipeline 1F1B / Schedule1F1B step time", 1.0),
     ("interleaved_vs_ScheduleInterleaved1F1B", "pipeline interleaved 1F1B / ScheduleInterleaved1F1B step time", 1.0),
+    ("zb_h1_vs_ScheduleInterleavedZeroBubble", "pipeline ZB-H1 / ScheduleInterleavedZeroBubble step time", 1.0),
+    ("zbv_vs_ScheduleZBVZeroBubble", "pipeline ZB-V / ScheduleZBVZeroBubble step time", 1.0),
+    ("dualpipev_vs_ScheduleDualPipeV", "pipeline DualPipeV / ScheduleDualPipeV step time", 1.0),
 ]
 
 

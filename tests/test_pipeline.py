@@ -236,9 +236,10 @@ def test_bubble_benchmark_smoke():
     """The benchmark runs at a tiny size (its 5% target is checked by the benchmark itself)."""
     from benchmarks.pipeline_bubble import measure
 
-    rows = measure(2, 2, forward_ms=2.0, backward_ms=None)
-    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved_1f1b"]
-    assert all(len(r["measured"]) == 2 for r in rows)
+    rows = measure(2, 4, forward_ms=2.0)
+    assert [r["schedule"] for r in rows] == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
+    assert all(len(r["measured"]) == 2 and len(r["idle_s"]) == 2 for r in rows)
+    assert rows[1]["idle_ratio_vs_1f1b"] == 1.0 and rows[3]["theory_ratio_vs_1f1b"] == pytest.approx(1 / 3)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))

@@ -33,6 +33,11 @@ def test_zero_bubble_schedule_equals_single_process(schedule, m):
         kinds = [a[len(a.rstrip("0123456789")) - 1] for a, _, _ in r["timeline"]]
         assert kinds.count("F") == v * m
         assert kinds.count("I") + kinds.count("B") == v * m and kinds.count("W") == kinds.count("I") > 0
+    from shardlib.parallel.timeline import COLORS, timeline_svg
+
+    svg = timeline_svg([r["timeline"] for r in results])  # I and W drawn apart, with a legend
+    assert f'fill="{COLORS["I"]}"' in svg and f'fill="{COLORS["W"]}"' in svg and "W weight gradient" in svg
+    assert svg.count("<rect") == sum(len(r["timeline"]) for r in results)
 
 
 @pytest.mark.parametrize("native", [False, True])

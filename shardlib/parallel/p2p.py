@@ -23,7 +23,17 @@ uses them in), and round ``t`` completes on every rank once the rounds before it
 computes whose outputs round ``t`` sends wait only for earlier rounds): no deadlock, by
 induction over rounds. Sends and receives of a round share a batch, so two neighbours that
 send to each other at once do not wait for each other (the 1F1B hang of unbatched sends), and
-a receive is posted as soon as its message exists, often several actions before its use.
+a receive is posted as soon as its message exists, often several actions before its use. A
+round that arrives while the rank runs a longer action (a full backward beside one-unit
+forwards, as in DualPipeV) has its receives posted before that action: NCCL's stream waits for
+the compute issued before a batch, so posted after it they would start only when it ends and
+hold back their senders (DualPipeV's makespan grew by 4-6 units on the checked clock). This
+keeps each rank's rounds in increasing order, so the induction above still holds.
+
+Kinds. A forward sends its activation; a full backward (``B``) or a split backward's input half
+(``I``) sends the input gradient; a split backward's weight half (``W``) sends and receives
+nothing. Stage placement comes from the schedule (:func:`~.actions.stage_owners`): two stages on
+one rank (the bottom of a V) hand their tensors over in memory, never posted.
 
 Shapes. All microbatches of a step have the first one's shapes (the runner splits the batch
 into equal microbatches), so shapes are exchanged once per input signature. In a *handshake*
