@@ -319,7 +319,7 @@ def _cases() -> list[Case]:
     add(g, "virtual_stages-0", lambda e: plan(gpt(), PP2, virtual_stages=0), S, M("model chunks per rank must be a positive int, got 0"))
     add(g, "virtual_stages-bool", lambda e: plan(gpt(n_layer=6), PP2, schedule="interleaved_1f1b", virtual_stages=True), S,
         M("virtual_stages must be a positive int, got True"))
-    add(g, "schedule-unknown", lambda e: plan(gpt(), PP2, schedule="zb"), S, M("unknown pipeline schedule 'zb'", "'1f1b', 'gpipe', 'interleaved_1f1b'"))
+    add(g, "schedule-unknown", lambda e: plan(gpt(), PP2, schedule="zb"), S, M("unknown pipeline schedule 'zb'", "'1f1b', 'dualpipev', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv'"))
     add(g, "gpipe-virtual-stages", lambda e: plan(gpt(), PP2, schedule="gpipe", virtual_stages=2), S, M("GPipe runs one model chunk per rank, got 2"))
     add(g, "interleaved-microbatches-not-multiple", lambda e: plan(gpt(n_layer=6), PP2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=3), S,
         M("microbatches (3) to be a multiple of the pipeline size (2)"))

@@ -263,3 +263,12 @@ def test_llama_interleaved_1f1b_two_chunks_per_rank():
     """4 stages on 2 ranks: each rank's Stage holds two chunks, both using the one rotary module."""
     report = _equivalent(make_llama, {"pp": 2}, schedule="interleaved_1f1b", microbatches=2, virtual_stages=2)
     assert len(report["plan"].stage_layers) == 4
+
+
+@pytest.mark.multiprocess
+def test_llama_zero_bubble_schedules_split_its_backward():
+    """Hugging Face layers as they are, each backward split into I and W through autograd: ZB-V
+    on pp2 x dp2 at ZeRO-3 with the tied embedding and LM head, both on rank 0 in the V (nothing
+    summed over pp), the rotary module on both chunks of each rank."""
+    report = _equivalent(make_llama_eager, {"pp": 2, "dp": 2}, schedule="zbv", microbatches=2, zero_stage=3)
+    assert report["plan"].tied == () and report["plan"].rank_stages(0) == [0, 3]
