@@ -13,9 +13,12 @@ from .explain_table import index_set
 from .parallel.schedule_theory import BUBBLE_FORMULA
 from .parallel.schedules import format_grid
 
-__all__ = ["compact_names", "pipeline_summary", "pipeline_explain", "GRID_STEPS"]
+__all__ = ["compact_names", "pipeline_summary", "pipeline_explain", "GRID_STEPS", "GRID_LEGEND"]
 
 GRID_STEPS = 40  # the default explain() draws the schedule grid up to this many steps
+# the grid's legend, and its clock (parallel.simulate's defaults)
+GRID_LEGEND = "forward F, backward B, or split: I to the input, W the weights"
+GRID_UNITS = "forward and backward one step each; split backwards' I and W one step each"
 LAYERS_SHOWN = 4  # layer names listed per stage line (after folding)
 
 
@@ -127,12 +130,11 @@ def pipeline_explain(pplan, tokens: int | None = None, full: bool = False) -> st
     sim = pplan.simulation
     lines = [pipeline_summary(pplan, tokens)]
     if full or len(sim.grid) <= GRID_STEPS:
-        lines += ["schedule (forward F, backward B; stage, kind, microbatch):", format_grid(sim)]
+        lines += [f"schedule ({GRID_LEGEND}; stage, kind, microbatch):", format_grid(sim)]
     else:
-        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks (forward and backward one step each); "
-                     "explain(full=True) draws the grid")
+        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks ({GRID_UNITS}); explain(full=True) draws the grid")
     for r, st in enumerate(pplan.stages):
-        lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in range(r, pplan.n_stages, pplan.p))}; "
+        lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in pplan.rank_stages(r))}; "
                       f"communication of one microbatch, a step runs {pplan.m}):"])
         from .explain import explain
 

@@ -264,6 +264,7 @@ class PipelineModule(ShardedModule):
         Args:
             tokens: tokens in one microbatch on one rank, for the predicted transfer bytes.
         """
+        from .explain_pipeline import GRID_LEGEND
         from .parallel.schedules import format_grid
 
         pplan = self.pipeline_plan
@@ -271,7 +272,7 @@ class PipelineModule(ShardedModule):
         if self.mesh.comm.calls(self.pp_axis, "send"):
             sent = self.mesh.comm.bytes(self.pp_axis, "send") / self.mesh.comm.calls(self.pp_axis, "send")
             lines.append(f"  bytes per boundary transfer (measured mean): {sent:,.0f}")
-        lines.append("schedule (forward F, backward B; stage, kind, microbatch):")
+        lines.append(f"schedule ({GRID_LEGEND}; stage, kind, microbatch):")
         lines.append(format_grid(pplan.simulation))
         lines.append("this rank's stage:")
         lines.append(self.plan.explain(tokens))

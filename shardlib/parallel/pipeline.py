@@ -60,8 +60,8 @@ def pipeline_layers(model: nn.Module) -> list:
     """
     if hasattr(model, "pipeline_layers"):
         return model.pipeline_layers()
-    if isinstance(model, nn.Sequential):
-        return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model.named_children()]
+    if isinstance(model, nn.Sequential):  # every position, a module used twice too (named_children() lists it once)
+        return [(name, {name: child}, (lambda n: lambda get, x: get(n)(x))(name)) for name, child in model._modules.items()]
     from ..models.hf import hf_pipeline_layers, is_hf_model
 
     if is_hf_model(model):
@@ -353,7 +353,8 @@ class PipelineRunner:
                     grad = None if a.stage == last else inbox.pop(Message(GRADIENT, a.stage + 1, mb))
                     start = time.perf_counter()
                     if a.kind == "B":
-                        torch.autograd.backward(out, grad)
+                        if out.requires_grad:  # (an output that needs none: nothing upstream gets a gradient)
+                            torch.autograd.backward(out, grad)
                         dinp = inp.grad
                     else:
                         dinp, weights[(a.stage, mb)] = backward_input(out, grad, inp)

@@ -17,14 +17,20 @@ torch.distributed.pipelining's ``stage_backward_input`` / ``stage_backward_weigh
 3. :meth:`WeightPass.run` runs, per group, a backward from its intermediates (with the kept
    gradients) to its parameters only (``inputs=``), so nothing on the input path is computed
    again and the gradients accumulate into ``.grad`` through the usual accumulators and their
-   hooks (ZeRO's packing and reductions see an ordinary backward). A group whose intermediates
-   lie on one path (a weight used twice in a row) has each intermediate's gradient held at the
-   kept value, so the path between them adds nothing twice. The groups' backwards count as one
-   backward for ZeRO (:meth:`~shardlib.parallel.zero.ZeroRuntime.one_backward`): stage-3 chunks
-   stay gathered across them and the end-of-backward work runs once.
+   hooks (ZeRO's packing and reductions see an ordinary backward). Each intermediate's incoming
+   gradient is held at the kept value (a node pre-hook, which runs after the tensor hooks): a
+   hook on the activation (``h.register_hook(lambda g: 0.5 * g)``) already shaped the kept
+   gradient and is not applied twice in effect (it still runs again, so a hook with side
+   effects sees two calls), and where a group's intermediates lie on one path (a weight used
+   twice in a row) the path between them adds nothing twice. Such a path may run through
+   another group's nodes, so then every group's backward keeps the graph (it is freed with the
+   weight pass). The groups' backwards count as one backward for ZeRO
+   (:meth:`~shardlib.parallel.zero.ZeroRuntime.one_backward`): stage-3 chunks stay gathered
+   across them and the end-of-backward work runs once.
 
-Fallbacks, each still exact: a stage whose input needs no gradient (the first stage: token
-ids) has no ``I`` work, and its ``W`` is the whole backward (torch does the same); parameters
+Fallbacks, each still exact: a stage whose output is its input (an identity stage) passes the
+incoming gradient on; a stage whose input needs no gradient (the first stage: token ids) has
+no ``I`` work, and its ``W`` is the whole backward (torch does the same); parameters
 the walk does not reach through the input (an output that depends on them directly) get their
 gradients in ``W`` by a backward from the stage output restricted to them; a graph holding a
 reentrant ``torch.utils.checkpoint`` (which refuses ``torch.autograd.grad``) runs its whole
@@ -50,7 +56,8 @@ class WeightPass:
     Attributes:
         groups: ``[(accumulators, intermediates, kept gradients)]`` per parameter group.
         rest: ``(output, gradient, accumulators)`` for parameters ``W`` reaches from the stage
-            output (the whole backward on a stage whose input needs no gradient), or None.
+            output (the whole backward on a stage whose input needs no gradient; accumulators
+            None: every leaf reached), or None.
     """
 
     def __init__(self, groups: list, rest: tuple | None):
@@ -59,7 +66,9 @@ class WeightPass:
     def run(self, zero: Any) -> None:
         """Accumulate the parameter gradients into ``.grad`` (through their hooks), one backward
         per group, counted as one backward by ``zero`` (a ZeroRuntime)."""
-        retain = self.rest is not None  # its backward from the output passes the groups' nodes again
+        # a group whose intermediates lie on one path runs through the nodes between them, which may be
+        # another group's (a weight used twice around another layer), and the rest runs from the output
+        retain = self.rest is not None or any(len(nodes) > 1 for _, nodes, _ in self.groups)
         with zero.one_backward():
             for accs, nodes, kept in self.groups:
                 edges, grads = [], []
@@ -70,9 +79,9 @@ class WeightPass:
                             grads.append(g)
                 if not edges:
                     continue
-                # intermediates on one path: each takes its kept gradient, not kept + what flows from the others
-                holds = [node.register_prehook(lambda _, got=got: got) for node, got in zip(nodes, kept)] \
-                    if len(nodes) > 1 else []
+                # each intermediate takes its kept gradient: the tensor hooks ran on it in I (they run again
+                # before this pre-hook), and on one path it is not kept + what flows from the others
+                holds = [node.register_prehook(lambda _, got=got: got) for node, got in zip(nodes, kept)]
                 try:
                     torch.autograd.backward(edges, grads, retain_graph=retain, inputs=[GradientEdge(a, 0) for a in accs])
                 finally:
@@ -80,7 +89,7 @@ class WeightPass:
                         h.remove()
             if self.rest is not None:
                 out, grad, accs = self.rest
-                torch.autograd.backward(out, grad, inputs=[GradientEdge(a, 0) for a in accs])
+                torch.autograd.backward(out, grad, inputs=[GradientEdge(a, 0) for a in accs] if accs else None)
         self.groups, self.rest = [], None
 
 
@@ -168,8 +177,11 @@ def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tens
         ``out`` does not depend on it (the caller sends zeros).
     """
     root = out.grad_fn
-    if root is None:  # nothing in the stage needs a gradient
-        return None, WeightPass([], None)
+    if root is None:
+        if out is inp:  # an identity stage: the gradient passes through
+            return grad, WeightPass([], None)
+        # a leaf needing a gradient (a parameter returned as it is) gets it in W; else nothing does
+        return None, WeightPass([], (out, grad, None) if out.requires_grad else None)
     order, parents = _graph(root)
     if any(node.name().endswith(_REENTRANT) for node in order):  # refuses autograd.grad: the whole backward now
         torch.autograd.backward(out, grad)
