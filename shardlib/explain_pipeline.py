@@ -18,7 +18,7 @@ __all__ = ["compact_names", "pipeline_summary", "pipeline_explain", "GRID_STEPS"
 GRID_STEPS = 40  # the default explain() draws the schedule grid up to this many steps
 # the grid's legend, and its clock (parallel.simulate's defaults)
 GRID_LEGEND = "forward F, backward B, or split: I to the input, W the weights"
-GRID_UNITS = "forward and backward one step each; split backwards' I and W one step each"
+GRID_UNITS = ("forward and backward one step each", "F, I and W one step each, a full B two")  # without / with I and W
 LAYERS_SHOWN = 4  # layer names listed per stage line (after folding)
 
 
@@ -132,7 +132,9 @@ def pipeline_explain(pplan, tokens: int | None = None, full: bool = False) -> st
     if full or len(sim.grid) <= GRID_STEPS:
         lines += [f"schedule ({GRID_LEGEND}; stage, kind, microbatch):", format_grid(sim)]
     else:
-        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks ({GRID_UNITS}); explain(full=True) draws the grid")
+        split = any(a is not None and a.kind == "I" for row in sim.grid for a in row)
+        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks ({GRID_UNITS[split]}); explain(full=True) draws "
+                     "the grid")
     for r, st in enumerate(pplan.stages):
         lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in pplan.rank_stages(r))}; "
                       f"communication of one microbatch, a step runs {pplan.m}):"])
