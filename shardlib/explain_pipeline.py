@@ -132,9 +132,8 @@ def pipeline_explain(pplan, tokens: int | None = None, full: bool = False) -> st
     if full or len(sim.grid) <= GRID_STEPS:
         lines += [f"schedule ({GRID_LEGEND}; stage, kind, microbatch):", format_grid(sim)]
     else:
-        split = any(a is not None and a.kind == "I" for row in sim.grid for a in row)
-        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks ({GRID_UNITS[split]}); explain(full=True) draws "
-                     "the grid")
+        lines.append(f"schedule: {len(sim.grid)} steps x {pplan.p} ranks ({GRID_UNITS[pplan.split_backward]}); "
+                     "explain(full=True) draws the grid")
     for r, st in enumerate(pplan.stages):
         lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in pplan.rank_stages(r))}; "
                       f"communication of one microbatch, a step runs {pplan.m}):"])

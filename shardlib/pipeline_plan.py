@@ -40,7 +40,7 @@ from .parallel.actions import rank_stages, stage_rank
 from .parallel.pipeline import Stage, partition
 from .parallel.recompute import find_blocks, stage_choice
 from .parallel.schedule_theory import schedule_bubble_fraction
-from .parallel.schedules import Simulation, build_schedule, default_virtual_stages, placement, simulate
+from .parallel.schedules import Simulation, build_schedule, default_virtual_stages, placement, simulate, splits_backward
 from .state_names import model_state_names
 
 if TYPE_CHECKING:
@@ -151,6 +151,11 @@ class PipelinePlan:
     def rank_stages(self, rank: int) -> list[int]:
         """The stages pp rank ``rank`` holds, in chunk order."""
         return rank_stages(rank, self.p, self.v, self.placement)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits backwards into ``I`` and ``W`` (the zero-bubble ones)."""
+        return splits_backward(build_schedule(self.schedule, self.p, self.m, self.v))
 
     @property
     def bubble(self) -> float:
@@ -325,12 +330,14 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     p = mesh.size(axis)
     schedule = options.pop("schedule", "1f1b")
     m = options.pop("microbatches", p)
-    v = options.pop("virtual_stages", default_virtual_stages(schedule) if isinstance(schedule, str) else 1)
+    v = options.pop("virtual_stages", None)
     split_points = options.pop("split_points", None)
-    build_schedule(schedule, p, m, v)  # checks the name and the sizes
+    actions = build_schedule(schedule, p, m, v)  # checks the name and the sizes
+    v = default_virtual_stages(schedule) if v is None else v
     where = placement(schedule)
     whole = plan_module(model, mesh, specs, pp_axis=axis, **options)  # every check on the whole model
-    _check_split_backward(schedule, p, m, v, whole)
+    if splits_backward(actions):
+        _refuse_selective_recompute(schedule, whole)
     if whole.sequence_parallel and not hasattr(model, "pipeline_layers") and is_hf_model(model):
         raise ShardingError(
             f"sequence_parallel=True on the pipeline mesh {dict(mesh.shape)}: {type(model).__name__}'s pipeline layers "
@@ -373,12 +380,10 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
                         model_name=type(model).__name__, mesh=mesh)
 
 
-def _check_split_backward(schedule: str, p: int, m: int, v: int, whole: "Plan") -> None:
+def _refuse_selective_recompute(schedule: str, whole: "Plan") -> None:
     """Refuse selective recompute under a schedule that splits backwards: torch's selective
     checkpointing lets one backward through a region, and a split backward runs two (``I``, then
     ``W`` from the kept intermediates, :mod:`~shardlib.parallel.split_backward`)."""
-    if not any(a.kind == "I" for acts in build_schedule(schedule, p, m, v) for a in acts):
-        return
     chosen = [path for path, mode in whole.activation_checkpointing if mode == "selective"]
     if chosen:
         raise ShardingError(

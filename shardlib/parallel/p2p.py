@@ -63,7 +63,7 @@ from typing import Union
 
 from ..errors import ShardingError
 from .actions import Action, stage_owners
-from .simulate import action_costs, dependencies, gradient_senders
+from .simulate import action_times
 
 __all__ = ["Message", "Post", "Wait", "Read", "Run", "action_times", "transfer_program", "receives_first", "sent_by",
            "needed_by", "is_local"]
@@ -175,41 +175,6 @@ def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bo
     return out
 
 
-def action_times(schedule: list[list[Action]], backward_cost: int = 2) -> list[list[tuple[int, int]]]:
-    """``(start, end)`` of every action on a clock (forward 1 unit, full backward
-    ``backward_cost``, a split one's ``W`` half of it and its ``I`` the rest), each rank running
-    its list in order as soon as its inputs are done (a list may hold forwards only: an
-    evaluation).
-
-    Raises:
-        ShardingError: the schedule deadlocks (no rank can start its next action).
-    """
-    p = len(schedule)
-    listed = {a for acts in schedule for a in acts}
-    n_stages = 1 + max((a.stage for a in listed), default=0)
-    senders = gradient_senders(schedule)
-    costs = action_costs(backward_cost)
-    end: dict[Action, int] = {}
-    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    free = [0] * p
-    while any(len(out[r]) < len(schedule[r]) for r in range(p)):
-        moved = False
-        for r in range(p):
-            while len(out[r]) < len(schedule[r]):
-                a = schedule[r][len(out[r])]
-                deps = [d for d in dependencies(a, n_stages, senders) if d in listed]
-                if any(d not in end for d in deps):
-                    break
-                start = max([free[r]] + [end[d] for d in deps])
-                end[a] = free[r] = start + costs[a.kind]
-                out[r].append((start, end[a]))
-                moved = True
-        if not moved:
-            raise ShardingError("pipeline schedule deadlocks: " + ", ".join(
-                f"rank {r} waits at {schedule[r][len(out[r])]}" for r in range(p) if len(out[r]) < len(schedule[r])))
-    return out
-
-
 def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = False,
                      backward_cost: int = 2) -> tuple[Instruction, ...]:
     """The instructions ``rank`` executes for one step of ``schedule`` (see the module doc).
@@ -303,8 +268,9 @@ def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = 
                 waited.add(batch_of[y])
                 prog.append(Wait(batch_of[y], y))
             for u in ahead[k]:  # after the wait: a batch holding later rounds' receives is not waited for here
-                if parts(u)[0]:
-                    post([], parts(u)[0])
+                first = parts(u)[0]
+                if first:
+                    post([], first)
             prog.append(Run(k))
             if schedule[rank][k].kind == "F":
                 ran.add(schedule[rank][k].stage)

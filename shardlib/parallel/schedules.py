@@ -35,7 +35,7 @@ from .zero_bubble import dualpipev, zb_h1, zbv
 
 __all__ = ["Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "build_schedule",
            "simulate", "Simulation", "bubble_fraction", "format_grid", "SCHEDULES", "PLACEMENT", "placement",
-           "default_virtual_stages"]
+           "default_virtual_stages", "splits_backward"]
 
 
 def gpipe(p: int, m: int, v: int = 1) -> list[list[Action]]:
@@ -129,6 +129,11 @@ def default_virtual_stages(name: str) -> int:
     """The chunks per rank schedule ``name`` runs when ``virtual_stages`` is not given: 2 for
     the V schedules, else 1."""
     return 2 if placement(name) == "v" else 1
+
+
+def splits_backward(schedule: list[list[Action]]) -> bool:
+    """Whether ``schedule`` splits backwards into ``I`` and ``W`` (the zero-bubble schedules)."""
+    return any(a.kind == "I" for acts in schedule for a in acts)
 
 
 def build_schedule(name: str, p: int, m: int, v: int | None = None) -> list[list[Action]]:

@@ -1,10 +1,12 @@
 """Pipeline schedules run on a clock, without processes: validity, deadlock, bubble, stash.
 
-:func:`simulate` executes every rank's action list in order, each action as soon as its inputs
-exist (:func:`dependencies`), on a clock where a forward takes 1 unit, a full backward
-``backward_cost`` and a split backward's ``W`` ``weight_cost`` (its ``I`` the rest), so every
+:func:`action_times` lays every rank's action list out in order, each action as soon as its
+inputs exist (:func:`dependencies`), on a clock where a forward takes 1 unit, a full backward
+``backward_cost`` and a split backward's ``W`` ``weight_cost`` (its ``I`` the rest). The
+transfer programs (:mod:`.p2p`) take their rounds from it; :func:`simulate` checks a schedule
+complete and returns its layout as a grid with each rank's busy time and peak stash, so every
 schedule is checked for any ``p``, ``m``, ``v`` and cost model; :func:`format_grid` draws the
-result as a step-by-rank table (torch.distributed.pipelining's ``_format_pipeline_order``).
+grid as a step-by-rank table (torch.distributed.pipelining's ``_format_pipeline_order``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from ..errors import ShardingError
 from .actions import Action, stage_owners
 
-__all__ = ["Simulation", "simulate", "format_grid", "dependencies", "gradient_senders", "action_costs"]
+__all__ = ["Simulation", "simulate", "action_times", "format_grid", "dependencies", "gradient_senders", "action_costs"]
 
 
 def gradient_senders(schedule: list[list[Action]]) -> dict[tuple[int, int], Action]:
@@ -102,8 +104,47 @@ class Simulation:
         return [self.makespan - b for b in self.busy]
 
 
+def action_times(schedule: list[list[Action]], backward_cost: int = 2,
+                 weight_cost: int | None = None) -> list[list[tuple[int, int]]]:
+    """``(start, end)`` of every action on a clock (forward 1 unit, full backward
+    ``backward_cost``, a split one's ``W`` ``weight_cost`` (default half a backward) and its
+    ``I`` the rest), each rank running its list in order, each action as soon as the rank is free
+    and its :func:`dependencies` are done (a list may hold forwards only: an evaluation).
+
+    Raises:
+        ShardingError: the schedule deadlocks (no rank can start its next action, naming where
+            each waits), or a cost below one unit.
+    """
+    p = len(schedule)
+    listed = {a for acts in schedule for a in acts}
+    n_stages = 1 + max((a.stage for a in listed), default=0)
+    senders = gradient_senders(schedule)
+    costs = action_costs(backward_cost, weight_cost)
+    if any(a.kind not in costs for a in listed):
+        raise ShardingError(f"a split backward (I and W) needs backward_cost >= 2, got {backward_cost}")
+    end: dict[Action, int] = {}
+    out: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    free = [0] * p
+    while any(len(out[r]) < len(schedule[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while len(out[r]) < len(schedule[r]):
+                a = schedule[r][len(out[r])]
+                deps = [d for d in dependencies(a, n_stages, senders) if d in listed]
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                end[a] = free[r] = start + costs[a.kind]
+                out[r].append((start, end[a]))
+                moved = True
+        if not moved:
+            raise ShardingError("pipeline schedule deadlocks: " + ", ".join(
+                f"rank {r} waits at {schedule[r][len(out[r])]}" for r in range(p) if len(out[r]) < len(schedule[r])))
+    return out
+
+
 def simulate(schedule: list[list[Action]], backward_cost: int | None = None, weight_cost: int | None = None) -> Simulation:
-    """Execute ``schedule`` on a clock, honouring :func:`dependencies`; check it is complete.
+    """Check ``schedule`` is complete and lay it out on the clock of :func:`action_times`.
 
     Each rank runs its actions in order, one at a time, each as soon as its inputs are done.
 
@@ -119,50 +160,22 @@ def simulate(schedule: list[list[Action]], backward_cost: int | None = None, wei
             or duplicated schedule, a stage on two ranks, or a cost below one unit.
     """
     p = len(schedule)
-    stages = _check_complete(schedule)
+    _check_complete(schedule)
     stage_owners(schedule)
-    split = any(a.kind in "IW" for acts in schedule for a in acts)
     if backward_cost is None:
-        backward_cost = 2 if split else 1
-    costs = action_costs(backward_cost, weight_cost)
-    if split and "I" not in costs:
-        raise ShardingError(f"simulate: a split backward (I and W) needs backward_cost >= 2, got {backward_cost}")
-    senders = gradient_senders(schedule)
-    done: dict[Action, int] = {}
-    pos = [0] * p
-    free_at = [0] * p
-    grid: list[list[Action | None]] = []
-    busy = [0] * p
-    stash = [0] * p
-    peak = [0] * p
-    t = 0
-    while any(pos[r] < len(schedule[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            if pos[r] >= len(schedule[r]) or free_at[r] > t:
-                continue
-            a = schedule[r][pos[r]]
-            if all(d in done and done[d] <= t for d in dependencies(a, stages, senders)):
-                cost = costs[a.kind]
-                done[a] = free_at[r] = t + cost
-                busy[r] += cost
-                pos[r] += 1
-                stash[r] += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0
-                peak[r] = max(peak[r], stash[r])
-                while len(grid) < t + cost:
-                    grid.append([None] * p)
-                for k in range(cost):
-                    grid[t + k][r] = a
-                progressed = True
-        if not progressed and all(f <= t for f in free_at) and not any(v > t for v in done.values()):
-            waiting = [r for r in range(p) if pos[r] < len(schedule[r])]
-            raise ShardingError(
-                "pipeline schedule deadlocks: " + ", ".join(f"rank {r} waits at {schedule[r][pos[r]]}" for r in waiting)
-            )
-        t += 1
-    makespan = max(done.values()) if done else 0
-    while len(grid) < makespan:
-        grid.append([None] * p)
+        backward_cost = 2 if any(a.kind in "IW" for acts in schedule for a in acts) else 1
+    times = action_times(schedule, backward_cost, weight_cost)
+    makespan = max((end for ts in times for _, end in ts), default=0)
+    grid: list[list[Action | None]] = [[None] * p for _ in range(makespan)]
+    busy, peak = [0] * p, [0] * p
+    for r, acts in enumerate(schedule):
+        stash = 0
+        for a, (start, end) in zip(acts, times[r]):
+            busy[r] += end - start
+            for t in range(start, end):
+                grid[t][r] = a
+            stash += 1 if a.kind == "F" else -1 if a.kind in "BW" else 0
+            peak[r] = max(peak[r], stash)
     return Simulation(grid, makespan, busy, peak)
 
 
