@@ -33,6 +33,9 @@ import argparse
 import torch
 from torch import nn
 
+from shardlib.errors import ShardingError
+from shardlib.parallel.schedules import build_schedule
+
 from .common import Settings, Side, add_common_args, batches, compare, make_gpt, run_benchmark, settings_from_args, \
     torch_state_bytes, zero_state_formula
 
@@ -176,7 +179,9 @@ def worker(settings: Settings, cases=CASES, microbatches: int = 4, control: bool
     rows = []
     for case in cases:
         schedule, v, cls_name = _SCHEDULES[case.split("_vs_")[0]]
-        if schedule == "dualpipev" and microbatches < 2 * p:  # DualPipe needs a microbatch per stage
+        try:  # a schedule that does not take these sizes (DualPipeV: a microbatch per stage) is skipped
+            build_schedule(schedule, p, microbatches, v)
+        except ShardingError:
             continue
         model = _model(settings)
         bounds = stage_bounds(model, p * v)

@@ -32,6 +32,7 @@ import shardlib
 from shardlib.errors import ShardingError
 from shardlib.parallel.pipeline import measured_bubble
 from shardlib.parallel.schedule_theory import bubble_time
+from shardlib.parallel.schedules import build_schedule
 
 # (schedule, chunks per rank); a schedule whose sizes do not fit (p, m) is skipped
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
@@ -89,8 +90,13 @@ def _worker(pp, schedule, m, v, costs):
     return smodel.timeline
 
 
-def _fits(schedule: str, p: int, m: int) -> bool:
-    return not ((schedule == "interleaved_1f1b" and m % p) or (schedule == "dualpipev" and m < 2 * p))
+def _fits(schedule: str, p: int, m: int, v: int) -> bool:
+    """Whether the schedule takes these sizes (interleaved 1F1B: m a multiple of p; DualPipeV: m >= 2p)."""
+    try:
+        build_schedule(schedule, p, m, v)
+    except ShardingError:
+        return False
+    return True
 
 
 def measure(pp: int, m: int, forward_ms: float, input_ms: float | None = None, weight_ms: float | None = None,
@@ -104,7 +110,7 @@ def measure(pp: int, m: int, forward_ms: float, input_ms: float | None = None, w
     weight_ms = forward_ms if weight_ms is None else weight_ms
     rows = []
     for schedule, v in schedules:
-        if not _fits(schedule, pp, m):
+        if not _fits(schedule, pp, m, v):
             continue
         costs = tuple(ms / 1e3 / v for ms in (forward_ms, input_ms, weight_ms))  # the same model cut into v x stages
         timelines = shardlib.launch(_worker, pp, pp, schedule, m, v, costs)
