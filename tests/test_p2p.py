@@ -13,7 +13,7 @@ import torch
 
 from shardlib.errors import ShardingError
 from shardlib.parallel.actions import stage_owners
-from shardlib.parallel.p2p import (Message, Post, Read, Run, Wait, action_times, is_local, needed_by, receives_first,
+from shardlib.parallel.p2p import (Message, Post, Read, Run, Wait, action_times, is_local, needed_by, receives_ahead,
                                    sent_by, transfer_program)
 from shardlib.parallel.p2p_check import check_programs
 from shardlib.parallel.schedules import Action, build_schedule, simulate
@@ -60,39 +60,60 @@ def test_programs_pair_in_order_and_never_deadlock(name, p, m, v):
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
-def test_receives_first_pairs_on_gloo_and_would_deadlock_nccl(name, p, m, v):
-    """gloo's steady programs post every receive at the start (a gloo pair sends only to a posted
-    receive): the same pairs in the same order, no deadlock and the schedule's own makespan under
-    gloo's semantics; each receive still waited for just before its use. Under NCCL's in-order
-    batches the first batch (every receive) would hold back every send: a deadlock, so the native
-    path keeps the rounds. (That each compute's input is waited for first is check_programs'.)"""
+def test_receives_ahead_pairs_on_gloo_and_posts_just_before_the_send(name, p, m, v):
+    """gloo's steady programs post each receive ahead of its sender's send on the clock: the same
+    pairs in the same order as the rounds, no deadlock and the schedule's own makespan under
+    gloo's semantics; every receive posted before the action it feeds, and before the clock time
+    its sender's action ends (after the last action of this rank that ends earlier); the
+    first stage's first forward comes before any receive is posted (posting every receive at the
+    start delayed it)."""
     full = build_schedule(name, p, m, v)
+    n = p * v
     for sched in (full, _forwards(full)):
         rounds = [transfer_program(sched, r) for r in range(p)]
-        first = [receives_first(prog) for prog in rounds]
-        check = check_programs(sched, first, "gloo")
+        ahead = [receives_ahead(sched, r) for r in range(p)]
+        check = check_programs(sched, ahead, "gloo")
         assert check.pairs == check_programs(sched, rounds, "gloo").pairs
         if sched is full:
             assert check.makespan == simulate(sched, backward_cost=2).makespan
-        for r, prog in enumerate(first):
-            posts = [ins for ins in prog if isinstance(ins, Post)]
-            k = next((i for i, ins in enumerate(prog) if not isinstance(ins, Post) or ins.sends), len(prog))
-            leading = [x for ins in prog[:k] for x in ins.recvs]  # the posts before anything else
-            assert leading == [x for ins in rounds[r] if isinstance(ins, Post) for x in ins.recvs]  # all, in order
-            assert not any(ins.recvs for ins in posts[k:])
-            for i, ins in enumerate(prog):  # receives are waited for just before a compute (which uses one of them)
+        times = action_times(sched, 2)
+        owners = stage_owners(sched)
+        sent_at = {sent_by(a, n): times[q][k][1] for q in range(p) for k, a in enumerate(sched[q])
+                   if sent_by(a, n) is not None}
+        for r, prog in enumerate(ahead):
+            assert not any(isinstance(ins, Read) for ins in prog)
+            reached = [0] + [end for _, end in times[r]]  # the clock at the place before action k
+            for i, ins in enumerate(prog):
+                if isinstance(ins, Post) and ins.recvs:
+                    (msg,) = ins.recvs
+                    k = next(x.index for x in prog[i:] if isinstance(x, Run))  # the action it is posted before
+                    assert reached[k] < sent_at[msg] or k == 0  # before the send on the clock
+                    assert reached[k + 1] >= sent_at[msg]  # and at the latest such place
+                    use = next(j for j, a in enumerate(sched[r]) if needed_by(a, n) == msg)
+                    assert k <= use
+            if 0 in [a.stage for a in sched[r][:1]]:  # the first stage's first forward: no receive before it
+                assert isinstance(prog[0], Run)
+            for i, ins in enumerate(prog):  # receives are waited for just before the compute that uses them
                 if isinstance(ins, Wait) and ins.message is not None:
-                    nxt = next(x for x in prog[i:] if not isinstance(x, Wait))
-                    assert isinstance(nxt, Run)
-        if p > 1 and any(ins.recvs for prog in first for ins in prog if isinstance(ins, Post)) and sched is full:
-            with pytest.raises(ShardingError, match="deadlock"):
-                check_programs(sched, first, "nccl")
+                    nxt = prog[i + 1]
+                    assert isinstance(nxt, Run) and needed_by(sched[r][nxt.index], n) == ins.message
+            assert not any(is_local(x, owners) for ins in prog if isinstance(ins, Post) for x in ins.sends + ins.recvs)
 
 
-def test_receives_first_refuses_a_handshake_program():
+def test_receives_ahead_would_deadlock_under_nccl():
+    """Why the native path keeps the rounds: under NCCL's in-order batches each 1F1B stage
+    posts a receive ahead of a send the other needs first (the first stage microbatch 1's
+    gradient before microbatch 2's activation, the last stage that activation before that
+    gradient), and each stream holds its send back behind its receive."""
     sched = build_schedule("1f1b", 2, 4, 1)
-    with pytest.raises(ShardingError, match="handshake"):
-        receives_first(transfer_program(sched, 1, handshake=True))
+    with pytest.raises(ShardingError, match="deadlock"):
+        check_programs(sched, [receives_ahead(sched, r) for r in range(2)], "nccl")
+    check_programs(sched, [transfer_program(sched, r) for r in range(2)], "nccl")
+
+
+def test_receives_ahead_refuses_one_rank():
+    with pytest.raises(ShardingError, match="at least 2 ranks"):
+        receives_ahead(build_schedule("1f1b", 1, 4, 1), 0)
 
 
 def test_gloo_wait_makes_the_whole_batch_ready(monkeypatch):

@@ -451,6 +451,79 @@ def test_stage0_no_sync_accumulates_in_the_views_without_hooks(reset, end):
     assert _hooks(model) == first
 
 
+class _Deep(torch.nn.Module):
+    """Three linears in a row and a fourth (``skip``) used only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                          torch.nn.Linear(8, 4))
+        self.skip = torch.nn.Linear(6, 4)
+
+    def forward(self, x, use_skip):
+        y = self.layers(x)
+        return (y + self.skip(x) if use_skip else y).square().mean()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_stage0_no_sync_first_gradient_points_the_others_at_their_views(monkeypatch, frozen):
+    """Stage 0 inside no_sync(): the backward's first gradient hook points every other parameter
+    that this backward reaches at its view (zeroed) and silences its hook, so one Python hook runs
+    per backward instead of one per parameter (8 parameters: 1 call, not 6 or 8); autograd then
+    adds into the views in place. A parameter the backward does not reach (``skip`` in the first
+    backward) keeps ``.grad`` None and its hook, as in plain PyTorch, and adopts its first gradient
+    later; a frozen one gets nothing. Gradients equal plain PyTorch's sums bit for bit (0 + g is g)."""
+    from shardlib.parallel.zero import ZeroRuntime
+
+    calls = []
+    original = ZeroRuntime._on_grad_ready
+    def counted(self, prm):
+        calls.append(prm)
+        original(self, prm)
+
+    monkeypatch.setattr(ZeroRuntime, "_on_grad_ready", counted)
+    mesh = shardlib.init_mesh({"dp": 1})
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 6, generator=g) for _ in range(3)]
+    uses = [False, True, True]
+    torch.manual_seed(0)
+    ref = _Deep()
+    torch.manual_seed(0)
+    model = _Deep()
+    if frozen:
+        for m in (ref, model):
+            m.layers[2].weight.requires_grad_(False)
+    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=1000)
+    named = dict(model.named_parameters())
+    trainable = [n for n, p in named.items() if p.requires_grad]
+    with smodel.no_sync():
+        for i in range(3):
+            calls.clear()
+            ref(xs[i], uses[i]).backward()
+            smodel(xs[i], uses[i]).backward()
+            if i == 0:
+                assert len(calls) == 1  # the first gradient's hook; the other reached ones were pointed
+                views = smodel._zero._grad_views
+                for n in trainable:
+                    if n.startswith("layers"):
+                        assert named[n].grad is views[id(named[n])], n
+                    else:
+                        assert named[n].grad is None, n
+                assert _hooks(model) == {n: int(n.startswith("skip")) for n in named}
+            if i == 1:
+                assert len(calls) == 1  # skip's first gradient: adopted by its own hook, nothing else to point
+            if i == 2:
+                assert calls == []
+    smodel._zero.sync_grads()
+    got = shardlib.full_grads(smodel)
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(got[name], p.grad), name
+            assert torch.equal(named[name].grad, p.grad), name
+        else:
+            assert named[name].grad is None
+
+
 def _stage0_branchy():
     mesh = shardlib.init_mesh({"dp": 1})
     torch.manual_seed(0)

@@ -265,6 +265,26 @@ class Chunk:
             self.grad_views[id(prm)] = view
         return view
 
+    def fill_grad_views(self) -> None:
+        """Stage 0: every parameter's :meth:`grad_view` at once, allocating the buffer if absent;
+        where the parameters lie back to back from offset 0 (no gap between them), in one call
+        (``unflatten_dense_tensors``, as DDP's buckets are viewed) instead of a slice and a view
+        per parameter."""
+        full = self.ensure_grad_full()
+        if len(self.grad_views) == len(self.params):
+            return
+        pos, gapless = 0, True
+        for prm, off in self.params:
+            gapless = gapless and off == pos
+            pos = off + prm.numel()
+        if not gapless:
+            for prm, off in self.params:
+                self.grad_view(prm, off)
+            return
+        views = torch._C._nn.unflatten_dense_tensors(full[:pos], [prm for prm, _ in self.params])
+        for (prm, _), view in zip(self.params, views):
+            self.grad_views.setdefault(id(prm), view)
+
     def accumulate(self, prm: nn.Parameter, off: int, grad: torch.Tensor) -> None:
         """Add the flat gradient ``grad`` of ``prm`` (at element ``off``) into ``grad_full``:
         a copy for its first gradient since the buffer went stale, an add after that."""

@@ -41,7 +41,7 @@ from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from ..random import MicrobatchDropout
 from .actions import rank_stages, stage_owners
-from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, receives_first, transfer_program
+from .p2p import ACTIVATION, GRADIENT, Message, Post, Read, Wait, receives_ahead, transfer_program
 from .p2p_run import Transfers
 from .schedules import build_schedule, placement
 from .split_backward import backward_input
@@ -172,9 +172,9 @@ class PipelineRunner:
     The transfers of a step follow this rank's :func:`~shardlib.parallel.p2p.transfer_program`
     (rounds of sends and receives, receives posted as soon as their message exists, each
     waited for just before its use; the order on every pair of ranks the sender's, by
-    construction; on gloo a steady step posts all its receives at its start instead,
-    :func:`~shardlib.parallel.p2p.receives_first`, since a gloo pair sends only to a posted
-    receive). Shapes are exchanged once per input signature (the local batch's shape and
+    construction; on gloo a steady step posts each receive ahead of its sender's send on the
+    schedule's clock instead, :func:`~shardlib.parallel.p2p.receives_ahead`, since a gloo pair
+    sends only to a posted receive). Shapes are exchanged once per input signature (the local batch's shape and
     dtype, training or evaluation, autocast): the first step of a signature sends a header before
     the first activation over each boundary, every later one only the tensors, into buffers
     sized from the cache. So every rank must pass a local batch of the same shape (checked across
@@ -230,9 +230,10 @@ class PipelineRunner:
         key = (training, handshake)
         if key not in self._programs:
             sched = self.schedule if training else [[a for a in acts if a.kind == "F"] for acts in self.schedule]
-            prog = transfer_program(sched, self.rank, handshake)
-            if not handshake and not self.mesh.native and not self.fake:  # gloo: every receive posted first
-                prog = receives_first(prog)
+            if not handshake and not self.mesh.native and not self.fake:  # gloo: receives ahead of their sends
+                prog = receives_ahead(sched, self.rank)
+            else:
+                prog = transfer_program(sched, self.rank, handshake)
             self._programs[key] = (sched[self.rank], prog)
         return self._programs[key]
 

@@ -3,16 +3,20 @@
 Such a parameter needs its post-accumulate-grad hook inside ``no_sync()`` only until its
 gradient is adopted (``prm.grad`` is the view): autograd then adds into the view itself. A hook
 costs the autograd engine a Python call per parameter and backward (about 4 µs, m per step in a
-pipeline), so :class:`ViewHooks` removes it at the end of that backward and registers it again
+pipeline), so :class:`ViewHooks` removes it once ``.grad`` is the view, and registers it again
 when sync resumes or ``zero_grad`` makes the gradients None (DDP's ``gradient_as_bucket_view``
-accumulates in place the same way, from C++).
+accumulates in place the same way, from C++). The first hook of a ``no_sync()`` backward points
+every other parameter that backward reaches at its zeroed view at once (:meth:`ViewHooks.point_ahead`),
+so a window's first backward also runs one hook, not one per parameter.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from ..mesh.eager import eager
 
@@ -45,6 +49,12 @@ class GradViews:
     def get(self, key: int):
         return self[key] if key in self._where else None
 
+    def param(self, key: int) -> nn.Parameter:
+        return self._where[key][1]
+
+    def chunk(self, key: int):
+        return self._where[key][0]
+
 
 class ViewHooks:
     """The hooks of the gradient-view parameters of one :class:`~.zero.ZeroRuntime`.
@@ -61,11 +71,45 @@ class ViewHooks:
     def __init__(self, on_ready: Callable, views: GradViews):
         self._on_ready, self._views = on_ready, views
         self._handles: dict[int, object] = {}  # id(prm) -> hook handle, while registered
+        self._nodes: dict[int, object] = {}  # id(prm) -> its AccumulateGrad node (held, so it stays the same)
         self.adopted: list[nn.Parameter] = []
         self.silenced: list[nn.Parameter] = []
 
     def register(self, prm: nn.Parameter) -> None:
         self._handles[id(prm)] = prm.register_post_accumulate_grad_hook(self._on_ready)
+        if id(prm) not in self._nodes:
+            self._nodes[id(prm)] = get_gradient_edge(prm).node
+
+    def point_ahead(self) -> None:
+        """The first gradient of a ``no_sync()`` backward: every other parameter whose hook is
+        registered, whose ``.grad`` is None and whose gradient this backward computes (its
+        ``AccumulateGrad`` node runs in it: ``torch._C._will_engine_execute_node``, as torch's
+        ``register_multi_grad_hook`` asks) gets its view as ``.grad`` now and its hook removed
+        (silenced), so autograd adds this window's gradients into the view in place without a
+        Python call per parameter and backward (DDP's ``gradient_as_bucket_view`` does the same
+        from C++). Each chunk concerned is first zeroed where no gradient was written yet, in one
+        pass (:meth:`~.chunk.Chunk.settle_full`). A parameter this backward does not reach keeps
+        ``.grad`` None and its hook, as in plain PyTorch.
+
+        Measured on the 0.4M GPT's pipeline stage (18 parameters, 2 gloo ranks): the first
+        backward of a step took 1.1 ms longer than torch's with a hook per parameter adopting its
+        gradient (slice, view, copy, bookkeeping: about 35 µs each on the CPU)."""
+        views, will_run = self._views, torch._C._will_engine_execute_node
+        todo = []
+        for key in self._handles:
+            prm = views.param(key)
+            if prm.grad is None and prm.requires_grad and will_run(self._nodes[key]):
+                todo.append((key, prm))
+        settled = set()
+        for key, prm in todo:
+            chunk = views.chunk(key)
+            if id(chunk) not in settled:
+                settled.add(id(chunk))
+                chunk.fill_grad_views()
+                chunk.settle_full()
+            prm.grad = views[key]
+            self._handles.pop(key).remove()
+            self.silenced.append(prm)
 
     def silence(self) -> None:
         """End of a no_sync() backward: remove the hooks of the parameters it adopted (whose
@@ -101,4 +145,4 @@ class ViewHooks:
     def remove(self) -> None:
         for handle in self._handles.values():
             handle.remove()
-        self._handles, self.adopted, self.silenced = {}, [], []
+        self._handles, self._nodes, self.adopted, self.silenced = {}, {}, [], []
