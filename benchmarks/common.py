@@ -423,8 +423,9 @@ def _loss_value(loss) -> float | None:
 
 
 def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -> dict:
-    """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` (and ``floor``) until
-    each has ``settings.steps`` measured steps; returns per-step times (this rank) and losses."""
+    """Alternate blocks of ``settings.block`` steps of ``a`` and ``b`` (and ``floor``), in
+    reverse order every other round (a b, b a, a b, ...), until each has ``settings.steps``
+    measured steps; returns per-step times (this rank) and losses."""
     order = [("a", a), ("b", b)] + ([("floor", floor)] if floor is not None else [])
     times = {k: [] for k, _ in order}
     cpu = {k: [] for k, _ in order}  # process CPU time per step (all threads): robust to other jobs' load
@@ -435,8 +436,12 @@ def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -
         for _ in range(settings.warmup):
             losses[key].append(_loss_value(side.step(counters[key])))
             counters[key] += 1
+    rnd = 0
     while any(len(times[k]) < settings.steps for k, _ in order):
-        for key, side in order:
+        # ABBA: every other round runs the sides in reverse order, so neither always follows the
+        # other (a side timed right after another inherits its state: caches, allocator, the
+        # peer's progress); the A/A control measured a 1.02-1.05 median with a fixed order
+        for key, side in (order if rnd % 2 == 0 else order[::-1]):
             block = []
             for _ in range(min(settings.block, settings.steps - len(times[key]))):
                 _barrier()
@@ -449,6 +454,7 @@ def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -
             times[key] += block
             if block:
                 rounds[key].append(block)
+        rnd += 1
     return {"times": times, "cpu": cpu, "rounds": rounds, "losses": losses, "counters": counters}
 
 
