@@ -302,10 +302,10 @@ def receives_ahead(schedule: list[list[Action]], rank: int, backward_cost: int =
     Why not every receive at the start of the step: a stage with nothing to wait for (the first)
     then posts ``m`` receives before its first forward, which every later stage waits for, and
     the receiving ranks post theirs while the first activation arrives. Measured on the 0.4M GPT
-    at 2 gloo ranks against ``torch.distributed.pipelining`` (benchmarks/README.md): 1F1B
-    1.01-1.03 with every receive first against 0.96-1.005 posted ahead, in the same runs; GPipe
-    0.90-0.92 against 0.83-0.87; interleaved 0.95 against 0.90. Receive buffers also exist from
-    their post only, not for the whole step.
+    at 2 gloo ranks against ``torch.distributed.pipelining``, 200 steps a side
+    (benchmarks/README.md): 1F1B 0.98-1.03 with every receive first against 0.97-1.00 posted
+    ahead; GPipe 0.90-0.92 against 0.82-0.89; interleaved 0.95 against 0.90. Receive buffers also
+    exist from their post only, not for the whole step.
 
     Args:
         schedule: every rank's action list (for an evaluation, every rank's forwards only),
