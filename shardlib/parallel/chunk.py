@@ -179,6 +179,7 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_views: dict[int, torch.Tensor] = {}  # stage 0: id(prm) -> its ``.grad`` view of grad_full
+        self._packed_end: int | None = None  # where the parameters end if back to back from 0, else -1 (fill_grad_views)
         self.pending: list[tuple[nn.Parameter, int, torch.Tensor]] = []  # gradients not yet packed (:meth:`defer`)
         self.opt_param: nn.Parameter | None = None
         self.stale = True  # grad_full is logically zero outside the regions in ``written``
@@ -273,15 +274,16 @@ class Chunk:
         full = self.ensure_grad_full()
         if len(self.grad_views) == len(self.params):
             return
-        pos, gapless = 0, True
-        for prm, off in self.params:
-            gapless = gapless and off == pos
-            pos = off + prm.numel()
-        if not gapless:
+        if self._packed_end is None:  # the layout never changes: found once
+            pos = 0
+            for prm, off in self.params:
+                pos = off + prm.numel() if off == pos else -1
+            self._packed_end = pos
+        if self._packed_end < 0:
             for prm, off in self.params:
                 self.grad_view(prm, off)
             return
-        views = torch._C._nn.unflatten_dense_tensors(full[:pos], [prm for prm, _ in self.params])
+        views = torch._C._nn.unflatten_dense_tensors(full[: self._packed_end], [prm for prm, _ in self.params])
         for (prm, _), view in zip(self.params, views):
             self.grad_views.setdefault(id(prm), view)
 

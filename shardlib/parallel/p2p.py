@@ -60,6 +60,7 @@ gloo's, and checks pairing and freedom from deadlock.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Union
 
@@ -161,6 +162,19 @@ def is_local(msg: Message, owners: dict[int, int]) -> bool:
     return owners[msg.stage] == owners[msg.dst_stage]
 
 
+def _layout(schedule: list[list[Action]], who: str, backward_cost: int) -> tuple:
+    """``(p, n_stages, owners, times)`` of a schedule of ``p >= 2`` ranks, its actions laid out
+    by :func:`action_times`.
+
+    Raises:
+        ShardingError: fewer than 2 ranks (naming ``who``), or a schedule that deadlocks."""
+    p = len(schedule)
+    if p < 2:
+        raise ShardingError(f"{who}: a pipeline has at least 2 ranks, got a schedule of {p}")
+    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
+    return p, n_stages, stage_owners(schedule), action_times(schedule, backward_cost)
+
+
 def _sends(schedule: list[list[Action]], rank: int, n_stages: int, handshake: bool, owners: dict) -> list[list[Message]]:
     """Per action of ``rank``, the messages it posts, in order (a header first in a handshake;
     none to a stage of its own)."""
@@ -204,12 +218,7 @@ def transfer_program(schedule: list[list[Action]], rank: int, handshake: bool = 
     Returns:
         A tuple of :class:`Post`, :class:`Wait`, :class:`Read` and :class:`Run`.
     """
-    p = len(schedule)
-    if p < 2:
-        raise ShardingError(f"transfer_program: a pipeline has at least 2 ranks, got a schedule of {p}")
-    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
-    owners = stage_owners(schedule)
-    times = action_times(schedule, backward_cost)
+    p, n_stages, owners, times = _layout(schedule, "transfer_program", backward_cost)
     sends = {q: _sends(schedule, q, n_stages, handshake, owners) for q in range(p)}
     recv_at: dict[int, list[Message]] = {}  # round -> messages for this rank, by sender rank then order
     send_at: dict[int, list[Message]] = {}
@@ -320,42 +329,33 @@ def receives_ahead(schedule: list[list[Action]], rank: int, backward_cost: int =
     Raises:
         ShardingError: fewer than 2 ranks, or a schedule that deadlocks on the clock.
     """
-    p = len(schedule)
-    if p < 2:
-        raise ShardingError(f"receives_ahead: a pipeline has at least 2 ranks, got a schedule of {p}")
-    n_stages = 1 + max(a.stage for acts in schedule for a in acts)
-    owners = stage_owners(schedule)
-    times = action_times(schedule, backward_cost)
-    incoming = []  # (send time on the clock, sender, its action index, message), for this rank
-    for q in range(p):
-        for k, a in enumerate(schedule[q]):
-            m = sent_by(a, n_stages)
-            if m is not None and not is_local(m, owners) and owners[m.dst_stage] == rank:
-                incoming.append((times[q][k][1], q, k, m))
-    incoming.sort(key=lambda x: x[:3])
+    p, n_stages, owners, times = _layout(schedule, "receives_ahead", backward_cost)
+    sends = {q: _sends(schedule, q, n_stages, False, owners) for q in range(p)}
+    # (send time on the clock, sender, message) of each message to this rank, in that order
+    incoming = sorted(((times[q][k][1], q, m) for q in range(p) for k, msgs in enumerate(sends[q]) for m in msgs
+                       if owners[m.dst_stage] == rank), key=lambda x: x[:2])
     # the place before action k (after action k-1 and its sends, before k's wait) is reached at
-    # the clock time action k-1 ends (the step's start for k = 0)
+    # the clock time action k-1 ends (the step's start for k = 0): a receive goes to the last
+    # place reached before its send
     reached = [0] + [end for _, end in times[rank][:-1]]
     before: dict[int, list[Message]] = {}  # action index -> the receives posted just before it
-    for t, _, _, m in incoming:
-        k = max(i for i in range(len(reached)) if reached[i] < t or i == 0)
-        before.setdefault(k, []).append(m)
+    for t, _, m in incoming:
+        before.setdefault(max(bisect_left(reached, t) - 1, 0), []).append(m)
     prog: list[Instruction] = []
     batch_of: dict[Message, int] = {}
-    sends: list[int] = []
+    posted_sends: list[int] = []
     for k, a in enumerate(schedule[rank]):
         for m in before.get(k, ()):
-            batch_of[m] = len(batch_of) + len(sends)
+            batch_of[m] = len(batch_of) + len(posted_sends)
             prog.append(Post(batch_of[m], (), (m,)))
         y = needed_by(a, n_stages)
         if y is not None and not is_local(y, owners):
             prog.append(Wait(batch_of[y], y))
         prog.append(Run(k))
-        m = sent_by(a, n_stages)
-        if m is not None and not is_local(m, owners):
-            sends.append(len(batch_of) + len(sends))
-            prog.append(Post(sends[-1], (m,), ()))
-    return tuple(prog + [Wait(b, None) for b in sends])
+        for m in sends[rank][k]:
+            posted_sends.append(len(batch_of) + len(posted_sends))
+            prog.append(Post(posted_sends[-1], (m,), ()))
+    return tuple(prog + [Wait(b, None) for b in posted_sends])
 
 
 def _merge_posts(prog: list) -> tuple[Instruction, ...]:
