@@ -8,10 +8,8 @@ from typing import Any
 
 import torch
 
-from .mesh.collectives import raw_broadcast
+from .mesh.collectives import _gather, raw_broadcast
 from .mesh.guard import post, wait_works
-from .mesh.regions import _uneven_gather
-from .plan_items import tp_pieces
 from .state_names import persistent_buffers
 from .shard import PipelineModule, ShardedModule
 
@@ -47,9 +45,8 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
         raise TypeError(f"full_state_dict: rank0_only must be True or False, got {rank0_only!r}")
     zero = smodel._zero
     flat = {c.index: zero.full_chunk(c) for c in zero.chunks}
-    full: dict[str, torch.Tensor] = {}
+    full = _unshard_all(smodel, smodel.plan.params, flat)
     for pp in smodel.plan.params:
-        full[pp.name] = _unshard(smodel, pp, flat)
         for alias in pp.aliases:
             full[alias] = full[pp.name]
     out = {}
@@ -170,25 +167,80 @@ def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
     smodel = _require_sharded(smodel, "full_grads")
     zero = smodel._zero
     flat = {c.index: zero.full_grad_chunk(c) for c in zero.chunks if c.trainable}
-    out = {pp.name: _unshard(smodel, pp, flat) if pp.requires_grad else None for pp in smodel.plan.params}
+    full = _unshard_all(smodel, [pp for pp in smodel.plan.params if pp.requires_grad], flat)
+    out = {pp.name: full.get(pp.name) for pp in smodel.plan.params}
     return _merge_over_pipeline(smodel, out)
 
 
-def _unshard(smodel: ShardedModule, pp, flat: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The full tensor of ``pp`` from this rank's gathered chunks, gathered over its tensor axis."""
-    plan = smodel.plan
-    c, off = plan.placement[pp.name]
-    shape = plan.local_shape(pp)
-    local = flat[c][off : off + int(torch.Size(shape).numel())].view(shape)
-    if pp.tp_axis is not None and pp.tp_blocks:  # gathered rank-major; each piece back to its global place
-        n, d = smodel.mesh.size(pp.tp_axis), pp.tp_dim
-        full = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), d, pp.global_shape[d])
-        rank_major = [p for r in range(n) for p in tp_pieces(pp.global_shape[d], pp.tp_blocks, n, r)]
-        parts = full.split([width for _, width in rank_major], dim=d)
-        local = torch.cat([parts[i] for i in sorted(range(len(parts)), key=lambda i: rank_major[i][0])], dim=d)
-    elif pp.tp_axis is not None:
-        local = _uneven_gather(local.contiguous(), smodel.mesh, (pp.tp_axis,), pp.tp_dim, pp.global_shape[pp.tp_dim])
-    return local.clone()
+_BUCKET_BYTES = 64 << 20  # gathered bytes per all-gather of tensor-parallel pieces (one parameter may exceed it)
+
+
+def _unshard_all(smodel: ShardedModule, params, flat: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full tensor of each parameter plan in ``params``, from this rank's gathered chunks
+    (``flat``), as fresh copies.
+
+    A parameter split over a tensor axis has local shape ``plan.local_shape(pp)`` (its pieces of
+    each block along ``tp_dim``, :func:`~shardlib.plan_items.tp_pieces`); the pieces of every
+    rank of the axis travel together: this rank's pieces of a bucket of parameters (same axis and
+    dtype, at most ``_BUCKET_BYTES`` gathered) are packed into one flat buffer, padded to the
+    largest rank's total, and all-gathered once, so a model costs a few collectives, not one per
+    parameter (the harness calls this every step). Each parameter is then joined along
+    ``tp_dim`` in global order."""
+    plan, mesh = smodel.plan, smodel.mesh
+    mesh_shape, coords = dict(plan.mesh_shape), plan.coords()
+    out: dict[str, torch.Tensor] = {}
+    groups: dict = {}
+    for pp in params:
+        c, off = plan.placement[pp.name]
+        shape = plan.local_shape(pp)
+        local = flat[c][off : off + int(torch.Size(shape).numel())].view(shape)
+        if pp.tp_axis is None or mesh.size(pp.tp_axis) == 1:
+            out[pp.name] = local.clone()
+        else:
+            groups.setdefault((pp.tp_axis, local.dtype), []).append((pp, local))
+    for (axis, dtype), items in groups.items():
+        n = mesh.size(axis)
+        # every rank's local shape of each parameter, from the plan (no sizes exchanged)
+        shapes = [[pp.local_shape(mesh_shape, {**coords, axis: r}) for r in range(n)] for pp, _ in items]
+        bucket: list[int] = []
+        gathered = 0
+        for i in range(len(items) + 1):
+            size = 0 if i == len(items) else n * max(int(torch.Size(s).numel()) for s in shapes[i]) * dtype.itemsize
+            if bucket and (i == len(items) or gathered + size > _BUCKET_BYTES):
+                _gather_bucket(mesh, axis, mesh_shape, coords, [items[j] for j in bucket],
+                               [shapes[j] for j in bucket], out)
+                bucket, gathered = [], 0
+            if i < len(items):
+                bucket.append(i)
+                gathered += size
+    return out
+
+
+def _gather_bucket(mesh, axis: str, mesh_shape: dict, coords: dict, items: list, shapes: list, out: dict) -> None:
+    """One all-gather over ``axis`` of the local pieces of ``items`` (``(pp, local)`` pairs,
+    ``shapes[k][r]``: rank r's local shape of item k); each full tensor into ``out``."""
+    n = mesh.size(axis)
+    sizes = [[int(torch.Size(s[r]).numel()) for r in range(n)] for s in shapes]
+    block = max(sum(col) for col in zip(*sizes))
+    dtype = items[0][1].dtype
+    buf = torch.zeros(block, dtype=dtype, device=mesh.device)
+    with torch.no_grad():
+        torch.cat([local.reshape(-1).to(mesh.device) for _, local in items],
+                  out=buf[: sum(s[coords[axis]] for s in sizes)])
+    full = _gather(buf, mesh, (axis,), 0)  # (n * block,), in axis-index order
+    offsets = [r * block for r in range(n)]
+    for k, (pp, _) in enumerate(items):
+        d = pp.tp_dim
+        pieces = []  # (global start along d, tensor)
+        for r in range(n):
+            mine = full[offsets[r] : offsets[r] + sizes[k][r]].view(shapes[k][r])
+            offsets[r] += sizes[k][r]
+            at = 0
+            for start, width in pp.tp_pieces(mesh_shape, {**coords, axis: r}):
+                pieces.append((start, mine.narrow(d, at, width)))
+                at += width
+        pieces.sort(key=lambda piece: piece[0])
+        out[pp.name] = torch.cat([t for _, t in pieces], dim=d)
 
 
 def model_state_bytes(smodel: ShardedModule, optimizer: Any = None) -> dict[str, int]:

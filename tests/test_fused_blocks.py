@@ -223,6 +223,54 @@ def test_phi3_full_state_and_checkpoint_resharding(tmp_path, mesh_shape, stage):
         assert loss_b == pytest.approx(loss_a, rel=1e-6)
 
 
+def _gathers_worker(bucket_bytes):
+    """tp=2 Phi-3 with fused blocks and a vocabulary-parallel embedding of 37 rows (19 + 18):
+    full_state_dict and full_grads against the unsharded model, and the 'tp' all-gathers each
+    takes (``full_state._BUCKET_BYTES`` set to ``bucket_bytes``)."""
+    from shardlib import full_state
+
+    default, full_state._BUCKET_BYTES = full_state._BUCKET_BYTES, bucket_bytes
+    try:
+        mesh = shardlib.init_mesh({"tp": 2})
+        specs = {**SPECS, "model.embed_tokens.weight": P("tp", None)}
+        torch.manual_seed(0)
+        ref = make_phi3()
+        torch.manual_seed(0)
+        smodel = shardlib.shard(make_phi3(), mesh, specs, fused=FUSED, verify=False)
+        x, y = causal_batch(4)
+        lm_loss(ref(x), y).backward()
+        lm_loss(smodel(x), y).backward()
+        counts = []
+        for fn in (shardlib.full_state_dict, shardlib.full_grads):
+            mesh.comm.reset()
+            got = fn(smodel)
+            counts.append(mesh.comm.table().get(("tp", "all_gather"), (0, 0.0))[0])
+            want = ref.state_dict() if fn is shardlib.full_state_dict else {n: p.grad for n, p in ref.named_parameters()}
+            assert got.keys() == want.keys()
+            if fn is shardlib.full_state_dict:  # the same values, gathered
+                assert all(torch.equal(got[n], t) for n, t in want.items()), [n for n in want if not torch.equal(got[n], want[n])]
+            else:  # tensor-parallel gradients: fp32 sums in another order; measured at most 1.5e-8
+                for n, t in want.items():  # absolute (2.9e-7 of a tensor's largest entry), default and avx2
+                    torch.testing.assert_close(got[n], t, rtol=1e-5, atol=1e-7, msg=n)
+    finally:  # a pool worker serves later tests
+        full_state._BUCKET_BYTES = default
+    split = sum(1 for p in smodel.plan.params if p.tp_axis is not None)
+    return counts, split
+
+
+@pytest.mark.multiprocess
+def test_full_state_gathers_every_tensor_parallel_parameter_in_one_collective():
+    """full_state_dict / full_grads gather the tensor-parallel pieces of all parameters in one
+    all-gather over 'tp' (the harness calls them every step: one gather per parameter made a
+    tensor-parallel equivalence test twice as slow); with a bucket smaller than any parameter,
+    one per parameter. Either way the global tensors are the unsharded model's: fused blocks
+    (16, 8, 8) and 2 x 24, and an embedding whose 37 rows split 19 + 18."""
+    for counts, split in run_on(2, _gathers_worker, 64 << 20):
+        assert counts == [1, 1]
+    for counts, split in run_on(2, _gathers_worker, 1):
+        assert split == 9 and counts == [split, split]  # 2 layers x 4 projections + the embedding
+
+
 class _Fused(nn.Module):
     """A fused (8, 4, 4) column layer and its row partner, for meta init (no buffers): 4 query
     heads of 2 and 2 key/value heads of 2, each key/value head serving 2 query heads (as GQA), so
