@@ -247,7 +247,9 @@ def _lose_rank1(signal_name: str, delay: float = 0.0):
 
     import shardlib
 
-    mesh = _setup()
+    # a stopped rank never answers and the diagnosis waits the whole answer time for it: 3 s, as
+    # in the pipeline case below (2 ranks: only the stopped one is asked); 6 s took 19 s a case
+    mesh = _setup(answer=3.0 if signal_name == "SIGSTOP" else 6.0)
     shardlib.all_reduce(torch.ones(3), "dp")
     if mesh.rank == 1:
         os.kill(os.getpid(), getattr(signal, signal_name))
@@ -262,6 +264,54 @@ def test_frozen_rank_is_named():
     msg = err.message
     assert msg.startswith("rank 1 is frozen") and "stopped (SIGSTOP" in msg, msg
     assert "rank 0 (" in msg and "waiting" in msg  # the neighbour is shown waiting, not blamed
+
+
+def _stop_rank1_then_fail_rank0():
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)  # rank 1 stopped first
+    raise ValueError("rank 0 fails")
+
+
+def test_the_launcher_waits_neither_grace_nor_close_for_a_stopped_rank():
+    """A stopped worker can neither report nor exit: the launcher reads its state (/proc) and
+    ends the run when the failing rank has reported, instead of waiting the 5 s grace period
+    and 2 s of close for it (both were spent on every frozen-rank case)."""
+    import signal
+    import subprocess
+    import sys
+
+    from shardlib.mesh.launch import _stopped
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not _stopped(proc)
+        proc.send_signal(signal.SIGSTOP)
+        for _ in range(100):  # the state changes asynchronously
+            if _stopped(proc):
+                break
+            time.sleep(0.05)
+        assert _stopped(proc)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.2)
+        assert not _stopped(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not _stopped(proc)  # gone
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_on(2, _stop_rank1_then_fail_rank0)
+    took = time.monotonic() - t0
+    assert info.value.rank == 0 and "rank 0 fails" in info.value.message
+    assert "ranks [1] were still running and were stopped" in info.value.message
+    assert took < 5.0, f"took {took:.1f} s: the grace period was waited for a stopped rank"  # measured 1.0 s; 10.1 s before
 
 
 @pytest.mark.parametrize("case", ["in_wait", "before_post"])

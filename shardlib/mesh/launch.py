@@ -7,7 +7,8 @@ arguments travel with ``cloudpickle``, so functions defined in a notebook or a t
 
 Failure semantics: when a rank raises, the others get a short grace period to report; if any
 rank is still busy after it (waiting in a collective for the rank that failed), every worker is
-killed at once, and :class:`~shardlib.errors.WorkerError` carries the failing rank's message and
+killed at once (a stopped worker, as under ``SIGSTOP``, can neither report nor exit: the grace
+period and the close do not wait for it), and :class:`~shardlib.errors.WorkerError` carries the failing rank's message and
 traceback. Nothing waits for a collective timeout to learn that a peer is gone.
 """
 
@@ -31,6 +32,16 @@ __all__ = ["launch", "WorkerGroup"]
 
 _FATAL = ("ProcessExit", "CollectiveError", "CollectiveMismatchError", "RankFailureError", "CollectiveTimeoutError")
 _LOST_GRACE = 45.0  # s after a worker died: the survivors' diagnosis (watchdog 30 s + answers) comes within it
+
+
+def _stopped(proc) -> bool:
+    """Whether ``proc`` is stopped (``SIGSTOP``, a debugger's stop): state ``T`` or ``t`` in
+    ``/proc/<pid>/stat`` (Linux; elsewhere, and for a process already gone, False)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError, TypeError):
+        return False
 _UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
 _UNGUARDED = (
     "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
@@ -197,8 +208,14 @@ class WorkerGroup:
         while pending:
             now = time.monotonic()
             limit = min(x for x in (deadline, grace_end, now + 3600) if x is not None)
+            if grace_end is not None:  # a rank has failed: the others report, unless they cannot
+                if all(_stopped(self._procs[r]) for r in pending):
+                    break
+                limit = min(limit, now + 0.25)  # look again for stopped ranks
             ready = _wait_conns(list(pending.values()), timeout=max(0.0, limit - now))
             if not ready:
+                if grace_end is not None and time.monotonic() < min(x for x in (deadline, grace_end) if x is not None):
+                    continue  # a look for stopped ranks
                 break  # deadline or grace period over
             for conn in ready:
                 rank = next(r for r, c in pending.items() if c is conn)
@@ -290,7 +307,8 @@ class WorkerGroup:
                 pass
         deadline = time.monotonic() + 2.0
         for proc in self._procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not _stopped(proc):  # a stopped process cannot exit: killed at once
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
