@@ -3,9 +3,10 @@
 A fake group (``init_process_group("fake", store=FakeStore(), ...)``) completes every collective
 at once and moves nothing: a dry run of the real layout, whose shapes and counted bytes are those
 of the rank played. The default group of a process is made once, so the ranks run in a fresh
-interpreter (this file run as a script), one after another.
+interpreter (this file run as a script, once for every case), one after another.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -101,20 +102,30 @@ def _refuse_unknown_width() -> str:
         dist.destroy_process_group()
 
 
-def _in_fresh_process(what: str, *args) -> object:
+CASES = [("play", {"pp": 2, "dp": 2}, None), ("play", {"pp": 2, "dp": 2, "tp": 2}, "llama"), ("refuse",)]
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_results() -> list:
+    """Every case of CASES, one after another in one fresh interpreter (a process start and
+    imports cost seconds: one process for all three, not one each)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, what, json.dumps(args)], capture_output=True, text=True,
-                          timeout=240, env=env)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(CASES)], capture_output=True, text=True,
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _in_fresh_process(*case) -> object:
+    return _fresh_results()[CASES.index(tuple(case))]
 
 
 @pytest.mark.parametrize("shape,specs", [({"pp": 2, "dp": 2}, None), ({"pp": 2, "dp": 2, "tp": 2}, "llama")])
 def test_pipeline_step_on_fake_group(shape, specs):
     """Every rank of the world runs its step: the last stages get their microbatch losses, the
     others (None, None); each counted its planned sends, of the planned boundary bytes."""
-    ranks = _in_fresh_process("play", shape, specs)
+    ranks = _in_fresh_process("play", shape, specs)  # the results of one fresh process for every case
     world = len(ranks)
     assert [r["rank"] for r in ranks] == list(range(world)) and world == 2 * shape["dp"] * shape.get("tp", 1)
     for r in ranks:
@@ -130,7 +141,6 @@ def test_fake_group_refuses_a_pipeline_of_unknown_width_and_data_dependent_shape
     assert _in_fresh_process("refuse") == "refused"
 
 
-if __name__ == "__main__":  # the fresh process of _in_fresh_process
-    command, arguments = sys.argv[1], json.loads(sys.argv[2])
-    result = _play_every_rank(*arguments) if command == "play" else _refuse_unknown_width()
-    print(json.dumps(result))
+if __name__ == "__main__":  # the fresh process of _fresh_results: every case, in order
+    print(json.dumps([_play_every_rank(*case[1:]) if case[0] == "play" else _refuse_unknown_width()
+                      for case in json.loads(sys.argv[1])]))
