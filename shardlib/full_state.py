@@ -202,17 +202,14 @@ def _unshard_all(smodel: ShardedModule, params, flat: dict[int, torch.Tensor]) -
         n = mesh.size(axis)
         # every rank's local shape of each parameter, from the plan (no sizes exchanged)
         shapes = [[pp.local_shape(mesh_shape, {**coords, axis: r}) for r in range(n)] for pp, _ in items]
-        bucket: list[int] = []
-        gathered = 0
-        for i in range(len(items) + 1):
-            size = 0 if i == len(items) else n * max(int(torch.Size(s).numel()) for s in shapes[i]) * dtype.itemsize
-            if bucket and (i == len(items) or gathered + size > _BUCKET_BYTES):
-                _gather_bucket(mesh, axis, mesh_shape, coords, [items[j] for j in bucket],
-                               [shapes[j] for j in bucket], out)
-                bucket, gathered = [], 0
-            if i < len(items):
-                bucket.append(i)
-                gathered += size
+        start, gathered = 0, 0  # the open bucket is items[start:i], ``gathered`` bytes after its all-gather
+        for i, per_rank in enumerate(shapes):
+            size = n * max(int(torch.Size(s).numel()) for s in per_rank) * dtype.itemsize
+            if i > start and gathered + size > _BUCKET_BYTES:
+                _gather_bucket(mesh, axis, mesh_shape, coords, items[start:i], shapes[start:i], out)
+                start, gathered = i, 0
+            gathered += size
+        _gather_bucket(mesh, axis, mesh_shape, coords, items[start:], shapes[start:], out)
     return out
 
 

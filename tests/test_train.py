@@ -245,8 +245,8 @@ def test_plot_draws_the_curves_and_keeps_existing_files(tmp_path):
 
 # -- the entry point under torchrun -------------------------------------------------------------
 
-def _tool(tmp_path, module, *args, nproc=2, fails=False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+def _tool(tmp_path, module, *args, fails=False):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", module, "--config", DEFAULT, *[f"--set={o}" for o in SMALL], *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -267,11 +267,9 @@ def _records(path):
 # parallel, and tensor parallel evaluated on a 2-stage pipeline
 @pytest.mark.parametrize("mesh, eval_mesh", [("{'dp': -1}", "dp=1,tp=2"), ("{'tp': 2}", "pp=2")])
 def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path, mesh, eval_mesh):
-    nproc = 2
     ck = tmp_path / "ck"
     args = (f"--set=parallel.mesh={mesh}", f"--set=checkpoint.dir={str(ck)!r}", "--set=checkpoint.interval=2")
-    out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='a'", "--set=checkpoint.keep_last=0",
-                nproc=nproc)
+    out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='a'", "--set=checkpoint.keep_last=0")
     assert "step 4/4 | loss" in out and "checkpoint" in out
     assert sorted(os.listdir(ck)) == ["step_000002", "step_000004"]
     straight = _records(tmp_path / "a" / "metrics.jsonl")
@@ -279,19 +277,19 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
     # a run killed after step 2: its step-4 checkpoint never written (the test's own folder)
     checkpoint.remove(ck / "step_000004")
     out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='b'", "--set=checkpoint.resume=True",
-                "--set=checkpoint.keep_last=1", nproc=nproc)
+                "--set=checkpoint.keep_last=1")
     assert f"resumed from {ck / 'step_000002'} at step 2" in out
     resumed = _records(tmp_path / "b" / "metrics.jsonl")
     keys = ("step", "loss", "grad_norm", "lr", "val_loss")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight[2:]]  # bit for bit
     assert sorted(os.listdir(ck)) == ["step_000004"]  # keep_last=1 removed step 2 after step 4 was saved
     if "dp" in mesh:  # a second run into the same folder without resume is refused, naming the fix
-        out = _tool(tmp_path, "shardlib.train", *args, nproc=nproc, fails=True)
+        out = _tool(tmp_path, "shardlib.train", *args, fails=True)
         assert "already holds step_000004" in out and "checkpoint.resume=True" in out
     # the checkpoint's validation loss, on another mesh: the training run's last figure
     res = tmp_path / "eval.json"
     out = _tool(tmp_path, "shardlib.eval", "--ckpt", str(ck), "--mesh", eval_mesh,
-                "--set=parallel.microbatches=2", "--json", str(res), nproc=nproc)
+                "--set=parallel.microbatches=2", "--json", str(res))
     got = json.loads(res.read_text())
     assert got["step"] == 4
     # another mesh's reduction order: measured 0 on both pairs of meshes here, and up to 4.7e-8

@@ -7,9 +7,9 @@ arguments travel with ``cloudpickle``, so functions defined in a notebook or a t
 
 Failure semantics: when a rank raises, the others get a short grace period to report; if any
 rank is still busy after it (waiting in a collective for the rank that failed), every worker is
-killed at once (a stopped worker, as under ``SIGSTOP``, can neither report nor exit: the grace
-period and the close do not wait for it), and :class:`~shardlib.errors.WorkerError` carries the failing rank's message and
-traceback. Nothing waits for a collective timeout to learn that a peer is gone.
+killed at once, and :class:`~shardlib.errors.WorkerError` carries the failing rank's message and
+traceback. Nothing waits for a collective timeout to learn that a peer is gone, nor for a
+stopped worker (``SIGSTOP``, a debugger) that can neither report nor exit.
 """
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ __all__ = ["launch", "WorkerGroup"]
 
 _FATAL = ("ProcessExit", "CollectiveError", "CollectiveMismatchError", "RankFailureError", "CollectiveTimeoutError")
 _LOST_GRACE = 45.0  # s after a worker died: the survivors' diagnosis (watchdog 30 s + answers) comes within it
+_UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
+_UNGUARDED = (
+    "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
+    "are spawned processes, and each one imports the main script again before it can run anything, so "
+    "that call would start workers from inside a worker. Fix: put the call under "
+    "`if __name__ == \"__main__\":` (Python's multiprocessing requires this for the spawn start method)"
+)
 
 
 def _stopped(proc) -> bool:
@@ -42,13 +49,6 @@ def _stopped(proc) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError, TypeError):
         return False
-_UNGUARDED_EXIT = 3  # a worker's exit code when the main script starts workers at import time
-_UNGUARDED = (
-    "the main script calls shardlib.launch() (or starts a WorkerGroup) when it is imported: the workers "
-    "are spawned processes, and each one imports the main script again before it can run anything, so "
-    "that call would start workers from inside a worker. Fix: put the call under "
-    "`if __name__ == \"__main__\":` (Python's multiprocessing requires this for the spawn start method)"
-)
 
 
 def _context():
@@ -208,14 +208,14 @@ class WorkerGroup:
         while pending:
             now = time.monotonic()
             limit = min(x for x in (deadline, grace_end, now + 3600) if x is not None)
-            if grace_end is not None:  # a rank has failed: the others report, unless they cannot
-                if all(_stopped(self._procs[r]) for r in pending):
-                    break
-                limit = min(limit, now + 0.25)  # look again for stopped ranks
-            ready = _wait_conns(list(pending.values()), timeout=max(0.0, limit - now))
+            if grace_end is not None and all(_stopped(self._procs[r]) for r in pending):
+                break  # a rank has failed and the others cannot report
+            # in the grace period, look again for stopped ranks every 0.25 s
+            ready = _wait_conns(list(pending.values()),
+                                timeout=max(0.0, (min(limit, now + 0.25) if grace_end is not None else limit) - now))
             if not ready:
-                if grace_end is not None and time.monotonic() < min(x for x in (deadline, grace_end) if x is not None):
-                    continue  # a look for stopped ranks
+                if grace_end is not None and time.monotonic() < limit:
+                    continue
                 break  # deadline or grace period over
             for conn in ready:
                 rank = next(r for r, c in pending.items() if c is conn)
