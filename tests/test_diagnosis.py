@@ -210,3 +210,90 @@ def test_a_collective_ending_just_after_a_slice_is_not_a_failure(monkeypatch):
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         dog.wait([Work("Connection closed by peer")], None, datetime.timedelta(seconds=60), p2p=False)
     assert failed == ["Connection closed by peer"]
+
+
+def _dogs(monkeypatch, world, present):
+    """Watchdogs of the ranks ``present`` of ``world``, in this process, on one in-memory store:
+    their answering threads poll every 0.2 s (not 1 s), a stalled wait is diagnosed after
+    0.1 s, a rank that has not answered in 1 s is silent."""
+    import torch.distributed as dist
+
+    from shardlib.mesh.trace import Trace as RealTrace
+    from shardlib.mesh.watchdog import Watchdog
+
+    from shardlib.mesh import watchdog as wd
+
+    monkeypatch.setattr(wd, "_POLL", 0.2)
+    monkeypatch.setenv("SHARDLIB_WATCHDOG", "0.1")
+    monkeypatch.setenv("SHARDLIB_WATCHDOG_ANSWER", "1")
+    store = dist.HashStore()
+    return {r: Watchdog(RealTrace(r, path=""), store, r, world) for r in present}
+
+
+def _stop(dogs):
+    import atexit
+
+    for dog in dogs.values():
+        dog._stop.set()
+        dog._thread.join(timeout=5)
+        atexit.unregister(dog._at_exit)
+
+
+@pytest.mark.parametrize("case", ["every_rank_reads", "one_rank_absent", "one_rank_never_reads"])
+def test_a_blocked_rank_ends_once_every_other_rank_holds_the_verdict(monkeypatch, case):
+    """A rank whose main thread is blocked in a point-to-point wait diagnoses it on its
+    answering thread and publishes a fatal verdict; its process may end (Watchdog.on_fatal) only
+    once every rank that can read the verdict holds it (each rank's answering thread
+    acknowledges what it reads, in the store): otherwise a peer whose wait fails when this
+    process ends diagnoses "rank 0 is gone" instead of raising the verdict (1 run in 3 of
+    tests/test_faults.py::test_pipeline_evaluate_on_one_stage_never_pairs_with_training with a
+    fixed 1 s grace). It ends as soon as they hold it (it used to wait a fixed 3 s), at once
+    when the diagnosis found no other rank able to read it (absent here: silent), and after the
+    grace at the latest when one that answered never reads it (its answering thread stopped).
+    Before the acknowledgements, every case ended after the fixed grace."""
+    import time
+
+    from shardlib.mesh import watchdog as wd
+
+    world = 2 if case == "one_rank_absent" else 3
+    dogs = _dogs(monkeypatch, world, [0] if case == "one_rank_absent" else range(world))
+    published, ended = [], []
+
+    def analyze(states, n):  # every answer is in: a verdict
+        if case == "one_rank_never_reads":
+            dogs[2]._stop.set()  # it answered; now its answering thread is gone
+            dogs[2]._thread.join(timeout=5)
+        published.append((time.monotonic(), {r: st["status"] for r, st in states.items() if r != 0}))
+        return True, "CollectiveMismatchError", "the ranks differ"
+
+    monkeypatch.setattr(wd, "analyze", analyze)
+    monkeypatch.setattr(wd, "_GRACE", 1.5)
+    try:
+        dog0 = dogs[0]
+
+        def on_fatal(cls, text):  # the real one ends the process; record what every peer holds by then
+            ended.append((time.monotonic(), cls, text, {r: d.verdict for r, d in dogs.items() if r != 0}))
+            dog0._blocked = None
+
+        dog0.on_fatal = on_fatal
+        dog0._blocked = (None, time.monotonic())  # the main thread in a point-to-point wait
+        limit = time.monotonic() + 15
+        while not ended and time.monotonic() < limit:
+            time.sleep(0.02)
+        assert published and ended, "the blocked rank never ended"
+        took, peers = ended[0][0] - published[0][0], ended[0][3]
+        gen = dog0.verdict[0]
+        assert ended[0][1:3] == ("CollectiveMismatchError", "the ranks differ") and dog0.verdict[1:] == ended[0][1:3]
+        verdict = (gen, "CollectiveMismatchError", "the ranks differ")
+        if case == "every_rank_reads":
+            assert published[0][1] == {1: "busy", 2: "busy"}
+            assert took < 1.0, took  # each peer polls the store every 0.2 s here (_POLL): measured 0.2 s
+            assert peers == {1: verdict, 2: verdict}
+        elif case == "one_rank_absent":
+            assert published[0][1] == {1: "silent"}
+            assert took < 0.5, took  # nobody else can read it: no wait (measured 0.0 s)
+        else:
+            assert took > 1.45, took  # rank 2 never acknowledges: the whole grace (1.5 s here)
+            assert peers == {1: verdict, 2: None}
+    finally:
+        _stop(dogs)

@@ -9,7 +9,8 @@ once a second), so a rank that is busy, idle or blocked answers, and a rank that
 probed by pid (``/proc``: gone, or stopped by SIGSTOP) and named as the lost one, not its
 neighbour. :func:`~shardlib.mesh.diagnosis.analyze` turns the states into one message; when it
 is fatal (a rank lost, or the ranks' collectives differ and nobody is on their way) it is
-published in the store and every blocked rank raises it within a second. A wait that fails
+published in the store and every blocked rank raises it within a second (each rank's answering
+thread acknowledges every verdict it reads, in the store). A wait that fails
 (gloo's ``Connection closed by peer``) is diagnosed at once and raised as
 :class:`~shardlib.errors.RankFailureError` naming the rank, host and pid that is gone.
 ``SHARDLIB_TIMEOUT`` still bounds every wait. Blocking calls that shardlib does not issue
@@ -24,8 +25,10 @@ thread: a pipeline receive wakes the main thread as torch's own schedules do), a
 answering thread watches it: after ``SHARDLIB_WATCHDOG`` seconds it diagnoses as a sliced wait
 does. A fatal verdict is published (every other rank raises it); a peer that is gone or raises
 closes the connection, so the blocked wait fails and raises the verdict; if it is still blocked
-a few seconds later (the peer frozen, or blocked in a point-to-point wait of its own), nothing
-can interrupt it, so the process ends with the verdict (:attr:`Watchdog.on_fatal`: a
+once every other rank has read the verdict (so a peer whose wait fails when this process ends
+raises the verdict, not a new "rank is gone"), or at most ``_GRACE`` seconds after it (a rank
+that never reads it: frozen or gone), nothing can interrupt it (the peer frozen, or blocked in a
+point-to-point wait of its own), so the process ends with the verdict (:attr:`Watchdog.on_fatal`: a
 :func:`~shardlib.mesh.launch.launch` worker reports it as its error; otherwise it is written to
 stderr and to torchrun's error file, and the process exits with status 1). On NCCL a wait orders
 CUDA streams and returns at once: nothing here blocks the host there (the NCCL watchdog bounds
@@ -43,7 +46,7 @@ import threading
 import time
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError
-from .diagnosis import analyze
+from .diagnosis import LOST, analyze
 from .helper_call import HelperCall
 from .mesh import env_seconds
 from .trace import Trace, is_library, read_trace_file
@@ -52,9 +55,13 @@ __all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
 
 _CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError)}
 _GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
+# f"{_VLIST}/{k}": the diagnosis generation of the k-th published verdict (k = 1, 2, ...);
+# f"{_DIAG}/{gen}/ack": how many ranks other than its publisher have read verdict ``gen``
+_VLIST = "shardlib/diag/verdict"
+_ABSENT = LOST + ("exited",)  # the states of a rank that cannot read a verdict
 _SLICE = 1.0
 _POLL = 1.0
-_GRACE = 3.0  # s a point-to-point wait may take to fail after a fatal verdict before the process ends
+_GRACE = 3.0  # s at most a point-to-point wait may take to fail after a fatal verdict before the process ends
 _RECORDS = 128
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,8 +103,10 @@ class Watchdog:
         self._main = threading.main_thread().ident
         self._lock = threading.Lock()
         self._answered = int(store.add(_GEN, 0))
-        self._vseen = int(store.add(_VCOUNT, 0))
-        self._vgen = self._answered
+        self._vseen = int(store.add(_VCOUNT, 0))  # verdicts read (or published before this process came)
+        self._published: set[int] = set()  # generations of the verdicts this rank published
+        self._readers: dict[int, int] = {}  # verdict generation -> the ranks expected to acknowledge it
+        self._vlock = threading.Lock()  # read_verdicts: the answering thread, or the main thread on a failure
         store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
         import atexit
 
@@ -180,7 +189,9 @@ class Watchdog:
 
     def fail(self, exc: BaseException):
         """A collective failed on this rank (gloo's ``Connection closed by peer``): ask the
-        others, name who is gone, and raise that as a :class:`CollectiveError` (never returns)."""
+        others, name who is gone, and raise that as a :class:`CollectiveError` (never returns).
+        A verdict already published (the peer ended after a diagnosis) is raised instead."""
+        self.read_verdicts()
         self._raise_verdict()
         fatal, cls, text = self.diagnose(lost=True)
         raise _CLASSES.get(cls, CollectiveError)(
@@ -202,6 +213,7 @@ class Watchdog:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer is gone, raised, or the timeout passed
             self._blocked = None  # at once: the answering thread's grace for this wait ends here
+            self.read_verdicts()  # one the answering thread has not polled yet
             self._raise_verdict()  # the answering thread's verdict, or another rank's
             self._failed(exc, start, limit, "a point-to-point transfer", None)
         finally:
@@ -234,8 +246,18 @@ class Watchdog:
         while time.monotonic() < deadline:
             if self._blocked is not blocked:
                 return  # the wait ended: the main thread raises the verdict itself
+            if self._acknowledged(verdict[0]):
+                break  # every other rank holds it: a peer whose wait fails when we end raises it
             time.sleep(0.05)
         self.on_fatal(verdict[1], verdict[2])
+
+    def _acknowledged(self, gen: int) -> bool:
+        """Whether every rank that will read verdict ``gen`` has read it: every rank but its
+        publisher and the ranks its diagnosis found stopped, gone, exited or silent."""
+        try:
+            return int(self.store.add(f"{_DIAG}/{gen}/ack", 0)) >= self._readers.get(gen, self.world - 1)
+        except Exception:  # noqa: BLE001 - the store went away with its host: wait out the grace
+            return False
 
     def call(self, fn, rec: dict, timeout: datetime.timedelta, collective: bool = False):
         """Run ``fn()``, blocking ``torch.distributed`` calls that shardlib does not issue itself
@@ -381,8 +403,13 @@ class Watchdog:
         if fatal and not lost and finished is not None and finished():
             return False, cls, text  # the collective completed while the states were gathered: not stuck
         if fatal:
-            store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text]))
-            store.add(_VCOUNT, 1)
+            self._published.add(gen)  # before it is listed: this rank's answering thread does not acknowledge it
+            # the ranks that will acknowledge it: every other rank that answered (not one found stopped, gone,
+            # exited or silent)
+            readers = sum(1 for r, st in states.items() if r != self.rank and st.get("status") not in _ABSENT)
+            self._readers[gen] = readers
+            store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text, readers]))
+            store.set(f"{_VLIST}/{int(store.add(_VCOUNT, 1))}", str(gen))
             with self._lock:
                 if own:
                     self.handled = max(self.handled, gen)
@@ -401,20 +428,35 @@ class Watchdog:
                     for g in range(self._answered + 1, gen + 1):
                         store.set(f"{_DIAG}/{g}/{self.rank}", text)
                     self._answered = gen
-                v = int(store.add(_VCOUNT, 0))
-                if v > self._vseen:
-                    for g in range(gen, self._vgen, -1):
-                        key = f"{_DIAG}/{g}/verdict"
-                        if store.check([key]):
-                            cls, text = json.loads(store.get(key))
-                            with self._lock:
-                                if g > self.handled:
-                                    self.verdict = (g, cls, text)
-                            break
-                    self._vseen, self._vgen = v, gen
+                self.read_verdicts()
                 self._watch()
             except Exception:  # noqa: BLE001 - the store went away (its host ended): keep quiet
                 self._stop.wait(5 * _POLL)  # not sleep: _at_exit's join must not time out on it
+
+    def read_verdicts(self) -> None:
+        """Read the verdicts other ranks published since the last call, in the order they were
+        listed, acknowledge each in the store (see :meth:`_watch`), and keep the newest as
+        :attr:`verdict` (the main thread raises it). A store that is gone (its host ended) is
+        passed over in silence."""
+        store = self.store
+        with self._vlock:
+            try:
+                count = int(store.add(_VCOUNT, 0))
+                while self._vseen < count:
+                    key = f"{_VLIST}/{self._vseen + 1}"
+                    if not store.check([key]):
+                        break  # counted, not listed yet: the next call reads it
+                    g = int(store.get(key))
+                    cls, text, *readers = json.loads(store.get(f"{_DIAG}/{g}/verdict"))
+                    self._readers[g] = readers[0] if readers else self.world - 1
+                    if g not in self._published:
+                        store.add(f"{_DIAG}/{g}/ack", 1)
+                    with self._lock:
+                        if g > self.handled and (self.verdict is None or g > self.verdict[0]):
+                            self.verdict = (g, cls, text)
+                    self._vseen += 1
+            except Exception:  # noqa: BLE001 - the store went away with its host
+                pass
 
     def _at_exit(self) -> None:
         # stop the polling thread first: left inside a store call while the process group and the
