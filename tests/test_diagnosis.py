@@ -212,10 +212,10 @@ def test_a_collective_ending_just_after_a_slice_is_not_a_failure(monkeypatch):
     assert failed == ["Connection closed by peer"]
 
 
-def _dogs(monkeypatch, world, present):
+def _dogs(monkeypatch, world, present, answer="1"):
     """Watchdogs of the ranks ``present`` of ``world``, in this process, on one in-memory store:
     their answering threads poll every 0.2 s (not 1 s), a stalled wait is diagnosed after
-    0.1 s, a rank that has not answered in 1 s is silent."""
+    0.1 s, a rank that has not answered in ``answer`` s is silent."""
     import torch.distributed as dist
 
     from shardlib.mesh.trace import Trace as RealTrace
@@ -225,7 +225,7 @@ def _dogs(monkeypatch, world, present):
 
     monkeypatch.setattr(wd, "_POLL", 0.2)
     monkeypatch.setenv("SHARDLIB_WATCHDOG", "0.1")
-    monkeypatch.setenv("SHARDLIB_WATCHDOG_ANSWER", "1")
+    monkeypatch.setenv("SHARDLIB_WATCHDOG_ANSWER", answer)
     store = dist.HashStore()
     return {r: Watchdog(RealTrace(r, path=""), store, r, world) for r in present}
 
@@ -295,5 +295,42 @@ def test_a_blocked_rank_ends_once_every_other_rank_holds_the_verdict(monkeypatch
         else:
             assert took > 1.45, took  # rank 2 never acknowledges: the whole grace (1.5 s here)
             assert peers == {1: verdict, 2: None}
+    finally:
+        _stop(dogs)
+
+
+def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(monkeypatch):
+    """A point-to-point wait fails because rank 1's process ended (here: a finished process's
+    pid, on this host). The diagnosis does not wait the answer time for a rank whose process is
+    gone (it waited SHARDLIB_WATCHDOG_ANSWER / 2 = 5 s here; a ZeRO-3 rank aborted by gloo took
+    8-10 s to be named), and a second failed wait of the broken group (the forward's clean-up
+    waiting for the same gather) raises the same verdict without asking again (it took another
+    5 s)."""
+    import json
+    import socket
+    import subprocess
+    import time
+
+    from shardlib.errors import RankFailureError
+    from shardlib.mesh import watchdog as wd
+
+    dogs = _dogs(monkeypatch, 2, [0], answer="10")
+    try:
+        dog0 = dogs[0]
+        ended = subprocess.Popen(["true"])
+        ended.wait()
+        dog0.store.set(f"{wd._RANK}/1", json.dumps({"host": socket.gethostname(), "pid": ended.pid, "trace": ""}))
+        calls = []
+        real = wd.Watchdog.diagnose
+        monkeypatch.setattr(wd.Watchdog, "diagnose", lambda self, **kw: calls.append(kw) or real(self, **kw))
+        texts = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(RankFailureError) as info:
+                dog0.fail(RuntimeError("Connection closed by peer"))
+            texts.append(str(info.value))
+            assert time.monotonic() - t0 < 2.0  # measured 0.0 s
+        assert calls == [{"lost": True}]
+        assert texts[0] == texts[1] and f"rank 1 is gone" in texts[0] and f"pid {ended.pid}" in texts[0], texts[0]
     finally:
         _stop(dogs)

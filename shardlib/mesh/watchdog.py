@@ -107,6 +107,8 @@ class Watchdog:
         self._published: set[int] = set()  # generations of the verdicts this rank published
         self._readers: dict[int, int] = {}  # verdict generation -> the ranks expected to acknowledge it
         self._vlock = threading.Lock()  # read_verdicts: the answering thread, or the main thread on a failure
+        self._peers: dict[int, dict] = {}  # rank -> its registration (host, pid, trace file)
+        self._broken: tuple[str, str] | None = None  # the verdict of this rank's first failed collective
         store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
         import atexit
 
@@ -190,10 +192,15 @@ class Watchdog:
     def fail(self, exc: BaseException):
         """A collective failed on this rank (gloo's ``Connection closed by peer``): ask the
         others, name who is gone, and raise that as a :class:`CollectiveError` (never returns).
-        A verdict already published (the peer ended after a diagnosis) is raised instead."""
+        A verdict already published (the peer ended after a diagnosis) is raised instead, and a
+        later failure (a clean-up waiting for a collective of the broken group) raises the first
+        one's verdict again at once, without asking the others a second time."""
         self.read_verdicts()
         self._raise_verdict()
-        fatal, cls, text = self.diagnose(lost=True)
+        if self._broken is None:
+            fatal, cls, text = self.diagnose(lost=True)
+            self._broken = (cls, text)
+        cls, text = self._broken
         raise _CLASSES.get(cls, CollectiveError)(
             f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
 
@@ -300,6 +307,7 @@ class Watchdog:
         """Forget verdicts of an earlier task (the test pool reuses processes)."""
         if self.verdict is not None:
             self.handled = max(self.handled, self.verdict[0])
+        self._broken = None
         self.trace.new_task()
 
     # -- states ------------------------------------------------------------------------------------
@@ -334,13 +342,31 @@ class Watchdog:
             f = f.f_back
         return "?", in_dist
 
+    def _info(self, rank: int) -> dict:
+        """``{"host", "pid", "trace"}`` of ``rank`` as it registered in the store (cached), or
+        ``{}`` if it has not (yet)."""
+        info = self._peers.get(rank)
+        if info is None:
+            key = f"{_RANK}/{rank}"
+            info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+            if info:
+                self._peers[rank] = info
+        return info
+
+    def _gone_here(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host and its process has ended (so it will never answer)."""
+        try:
+            info = self._info(rank)
+        except Exception:  # noqa: BLE001 - the store went away with its host
+            return False
+        return info.get("host") == self.host and bool(info.get("pid")) and _proc_status(info["pid"]) == "gone"
+
     def _probe(self, rank: int) -> dict:
         """The state of a rank that did not answer: from its pid (same host) and its trace file."""
         info = {}
         key = f"{_RANK}/{rank}"
         try:
-            if self.store.check([key]):
-                info = json.loads(self.store.get(key))
+            info = self._info(rank)
             exited = self.store.check([f"{key}/exit"])
             if exited:
                 done = json.loads(self.store.get(f"{key}/exit"))
@@ -351,12 +377,7 @@ class Watchdog:
         state = {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "silent", "step": 0,
                  "records": None}
         if info.get("host") == self.host and info.get("pid"):
-            try:
-                with open(f"/proc/{info['pid']}/stat") as f:
-                    st = f.read().rsplit(")", 1)[1].split()[0]
-                state["status"] = {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(st, "silent")
-            except OSError:
-                state["status"] = "gone"
+            state["status"] = _proc_status(info["pid"])
             header, records = read_trace_file(info.get("trace") or "")
             if records:
                 state["records"] = records[-_RECORDS:]
@@ -390,8 +411,8 @@ class Watchdog:
                 key = f"{_DIAG}/{gen}/{r}"
                 if r not in states and store.check([key]):
                     states[r] = json.loads(store.get(key))
-                elif r not in states and store.check([f"{_RANK}/{r}/exit"]):  # exited: it will not answer
-                    states[r] = self._probe(r)
+                elif r not in states and (store.check([f"{_RANK}/{r}/exit"]) or self._gone_here(r)):
+                    states[r] = self._probe(r)  # exited, or its process is gone: it will not answer
             if len(states) < self.world:
                 time.sleep(0.05)
         for r in range(self.world):
@@ -469,6 +490,17 @@ class Watchdog:
                            json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
         except Exception:  # noqa: BLE001
             pass
+
+
+def _proc_status(pid: int) -> str:
+    """A process of this host as the diagnosis names it, from ``/proc/<pid>/stat``: "stopped"
+    (SIGSTOP, a debugger), "gone" (ended, or a zombie) or "silent" (alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(st, "silent")
 
 
 def _end_process(cls: str, text: str) -> None:
