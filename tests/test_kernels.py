@@ -3,7 +3,8 @@ implementations (``torch.library.opcheck``), the on/off switch, and every Triton
 Triton's interpreter (a subprocess running ``tests/_kernels_interpreter.py``).
 
 The interpreter must be chosen before ``triton`` is imported (``TRITON_INTERPRET=1``), and this
-process imports triton with shardlib, so the Triton programs run in a separate Python process;
+process may have imported triton already (another test, a plugin), so the Triton programs run in
+a separate Python process;
 its own docstring gives the tolerances. bf16 runs only on a GPU (:func:`test_kernels_on_cuda`):
 the interpreter computes bf16 wrongly.
 
@@ -399,6 +400,37 @@ def test_env_switch_typo_warns(monkeypatch):
     finally:
         monkeypatch.delenv("SHARDLIB_KERNELS")
         importlib.reload(_dispatch)
+
+
+def test_import_and_cpu_ops_never_import_triton():
+    """``import shardlib`` and a GPT forward and backward on CPU do not import triton, and the
+    CPU path of every op (LayerNorm, the fused cross-entropy statistics, a FusedAdamW step)
+    runs its torch reference without importing the Triton programs
+    (``shardlib.kernels._programs``, imported with triton on the first launch). triton was
+    imported with every ``import shardlib`` (through FusedAdamW's module), 0.2-0.3 s of each
+    fresh process on 2 cores, although the kernels' docstring said it never was. (Calling a
+    custom op or creating any torch optimizer imports torch._dynamo, which imports triton when it
+    is installed: torch's doing, so that part is not checked.)"""
+    code = """
+import sys
+import torch
+import shardlib
+from shardlib.kernels import FusedAdamW, layer_norm, vocab_ce_stats
+from shardlib.models import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+x = torch.randint(0, 32, (2, 8))
+model(x, targets=x)[1].backward()
+print("triton" in sys.modules)
+layer_norm(torch.randn(3, 8, requires_grad=True), 8, torch.ones(8), torch.zeros(8)).sum().backward()
+vocab_ce_stats(torch.randn(3, 8), torch.tensor([0, 3, 7]), False)
+FusedAdamW(model.parameters(), lr=1e-3).step()
+print("shardlib.kernels._programs" in sys.modules)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SHARDLIB_KERNELS_FORCE_TRITON")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "False"], proc.stdout
 
 
 # -- Triton programs -----------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 cross-entropy, LayerNorm/RMSNorm.
 
 Each op is a ``torch.library.custom_op`` in the ``shardlib`` namespace with a fake (meta)
-implementation, so it composes with autograd and ``torch.compile``; its file holds the Triton
-program and a plain-torch reference. The Triton program runs on CUDA tensors when ``triton``
+implementation, so it composes with autograd and ``torch.compile``; its file holds the launch
+code and a plain-torch reference, and ``_programs.py`` the Triton programs (imported, with
+``triton``, on the first launch). The Triton program runs on CUDA tensors when ``triton``
 imports and kernels are enabled; otherwise (CPU, no triton, kernels off) the reference runs.
 
 Where shardlib uses them (CUDA; on CPU only the optimizer, whose reference runs in cache-sized
@@ -21,8 +22,9 @@ Turn them off with the environment variable ``SHARDLIB_KERNELS=0``, with
 Tests run the Triton programs on CPU in Triton's interpreter with ``TRITON_INTERPRET=1`` and
 ``SHARDLIB_KERNELS_FORCE_TRITON=1`` (see ``tests/test_kernels.py``).
 
-The op modules (and ``triton``) are imported on first use of one of their names, so
-``import shardlib`` on a CPU machine never imports triton.
+The op modules are imported on first use of one of their names, and ``triton`` only when a
+Triton program is about to run, so ``import shardlib`` (which uses :class:`FusedAdamW`) and a
+CPU run never import triton.
 """
 
 import importlib

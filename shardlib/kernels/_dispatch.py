@@ -93,6 +93,19 @@ def _forced() -> bool:
     return os.environ.get("SHARDLIB_KERNELS_FORCE_TRITON", "0") == "1"
 
 
+def programs():
+    """The module of Triton programs (:mod:`shardlib.kernels._programs`; it imports triton):
+    for an op whose :func:`use_triton` said True."""
+    from . import _programs
+
+    return _programs
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= ``n`` (0 for 0), as ``triton.next_power_of_2`` (which needs triton)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when an op on ``tensors`` should run its Triton program (see the module docstring):
     kernels enabled, triton importable, and every tensor on CUDA (or the interpreter forced)."""

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._dispatch import enabled, triton_available, use_triton
+from ._dispatch import enabled, programs as triton_programs, use_triton
 
 __all__ = ["adamw_", "adamw_reference_", "FusedAdamW", "CPU_BLOCK"]
 
@@ -36,31 +36,6 @@ __all__ = ["adamw_", "adamw_reference_", "FusedAdamW", "CPU_BLOCK"]
 # a block take 2.5 MiB in fp32, which stays in L2/L3. A multiple of every SIMD width, so block
 # edges never move the vectorised loops' scalar tails (the result equals the unblocked one).
 CPU_BLOCK = 1 << 17
-
-if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, n, decay, one_minus_beta1, beta2, one_minus_beta2,
-                      neg_step_size, bc2_sqrt, eps, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p = p * decay
-        m = m + one_minus_beta1 * (g - m)
-        v = v * beta2 + one_minus_beta2 * (g * g)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps  # IEEE sqrt and division, as torch's
-        p = p + neg_step_size * tl.div_rn(m, denom)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_COPY:
-            tl.store(c_ptr + offs, p.to(c_ptr.dtype.element_ty), mask=mask)
-
 
 def _scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: float) -> tuple[float, float, float]:
     """``(1 - lr*wd, lr / bias_correction1, sqrt(bias_correction2))`` in Python floats, as torch."""
@@ -129,7 +104,7 @@ def _adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         return
     decay, step_size, bc2_sqrt = _scalars(lr, beta1, beta2, weight_decay, step)
     block = 1024
-    _adamw_kernel[(triton.cdiv(n, block),)](
+    triton_programs()._adamw_kernel[(-(-n // block),)](
         param, grad, exp_avg, exp_avg_sq, param_copy if param_copy is not None else param, n,
         decay, 1 - beta1, beta2, 1 - beta2, -step_size, bc2_sqrt, eps,
         HAS_COPY=param_copy is not None, BLOCK=block,

@@ -29,57 +29,13 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import triton_available, use_triton
+from ._dispatch import next_power_of_2, programs as triton_programs, use_triton
 
 __all__ = ["vocab_ce_stats", "vocab_ce_grad_", "vocab_ce_stats_reference", "vocab_ce_grad_reference_",
            "fused_ce_applies"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BLOCK = 4096
-
-if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _ce_stats_kernel(x_ptr, t_ptr, m_ptr, s_ptr, xt_ptr, sx_ptr, V, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * V
-        m = -float("inf")
-        s = 0.0
-        sx = 0.0
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-            if SMOOTH:
-                sx += tl.sum(tl.where(mask, x, 0.0), axis=0)
-        t = tl.load(t_ptr + row)
-        mine = (t >= 0) & (t < V)
-        xt = tl.load(base + tl.where(mine, t, 0), mask=mine, other=0.0).to(tl.float32)
-        tl.store(m_ptr + row, m)
-        tl.store(s_ptr + row, s)
-        tl.store(xt_ptr + row, xt)
-        tl.store(sx_ptr + row, sx)
-
-    @triton.jit
-    def _ce_grad_kernel(x_ptr, t_ptr, m_ptr, s_ptr, g_ptr, V, eps_over_v, one_minus_eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * V
-        t = tl.load(t_ptr + row)
-        m = tl.load(m_ptr + row)
-        inv_s = 1.0 / tl.load(s_ptr + row)
-        g = tl.load(g_ptr + row)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = tl.exp(x - m) * inv_s - eps_over_v - tl.where(cols == t, one_minus_eps, 0.0)
-            tl.store(base + cols, (grad * g).to(x_ptr.dtype.element_ty), mask=mask)
-
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
@@ -114,7 +70,7 @@ def _kernel_ok(logits: torch.Tensor, *others: torch.Tensor, contiguous: bool = T
 
 
 def _block(v: int) -> int:
-    return min(triton.next_power_of_2(v), _MAX_BLOCK)
+    return min(next_power_of_2(v), _MAX_BLOCK)
 
 
 def _warps(v: int) -> int:
@@ -140,8 +96,8 @@ def vocab_ce_stats(logits: torch.Tensor, target_local: torch.Tensor,
         return vocab_ce_stats_reference(logits, target_local, smoothing)
     n, v = logits.shape
     m, s, xt, sx = (torch.empty(n, device=logits.device, dtype=torch.float32) for _ in range(4))
-    _ce_stats_kernel[(n,)](logits, target_local, m, s, xt, sx, v, SMOOTH=smoothing, BLOCK=_block(v),
-                           num_warps=_warps(v))
+    triton_programs()._ce_stats_kernel[(n,)](logits, target_local, m, s, xt, sx, v, SMOOTH=smoothing,
+                                             BLOCK=_block(v), num_warps=_warps(v))
     return m, s, xt, sx
 
 
@@ -164,8 +120,8 @@ def vocab_ce_grad_(logits: torch.Tensor, target_local: torch.Tensor, m: torch.Te
         vocab_ce_grad_reference_(logits, target_local, m, s, g, eps_over_v, one_minus_eps)
         return
     n, v = logits.shape
-    _ce_grad_kernel[(n,)](logits, target_local, m, s, g, v, eps_over_v, one_minus_eps, BLOCK=_block(v),
-                          num_warps=_warps(v))
+    triton_programs()._ce_grad_kernel[(n,)](logits, target_local, m, s, g, v, eps_over_v, one_minus_eps,
+                                            BLOCK=_block(v), num_warps=_warps(v))
 
 
 @vocab_ce_grad_.register_fake

@@ -24,78 +24,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._dispatch import triton_available, use_triton
+from ._dispatch import next_power_of_2, programs as triton_programs, use_triton
 
 __all__ = ["layer_norm", "rms_norm", "norm_reference", "norm_backward_reference"]
 
 _MAX_C = 16384
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-if triton_available():  # this module is imported lazily (shardlib.kernels.__getattr__)
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _norm_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, C, eps,
-                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_C)
-        mask = cols < C
-        x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-        if RMS:
-            xc = x
-        else:
-            mean = tl.sum(x, axis=0) / C
-            xc = tl.where(mask, x - mean, 0.0)
-            tl.store(mean_ptr + row, mean)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / C + eps)
-        tl.store(rstd_ptr + row, rstd)
-        y = xc * rstd
-        if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * C + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, N, C, rows_per_program,
-                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, RMS: tl.constexpr, BLOCK_C: tl.constexpr):
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK_C)
-        mask = cols < C
-        if HAS_W:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        db = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        start = pid * rows_per_program
-        end = tl.minimum(start + rows_per_program, N)
-        offs = start.to(tl.int64) * C + cols  # advanced by C per row (no 32-bit row * C product)
-        for r in range(start, end):
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + r)
-            if RMS:
-                xhat = x * rstd
-            else:
-                xhat = tl.where(mask, (x - tl.load(mean_ptr + r)) * rstd, 0.0)
-            if HAS_W:
-                wdy = w * dy
-            else:
-                wdy = dy
-            c1 = tl.sum(xhat * wdy, axis=0) / C
-            if RMS:
-                dx = (wdy - xhat * c1) * rstd
-            else:
-                dx = (wdy - (xhat * c1 + tl.sum(wdy, axis=0) / C)) * rstd
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-            db += dy
-            offs += C
-        if HAS_W:
-            tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
-        if HAS_B:
-            tl.store(db_ptr + pid * C + cols, db, mask=mask)
-
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32 for half precision; fp64 stays fp64
@@ -137,7 +71,7 @@ def norm_backward_reference(dy: torch.Tensor, x: torch.Tensor, weight: Optional[
 
 def _warps(c: int) -> int:
     """Warps per row program, as the Triton layer-norm tutorial: one per 256 columns, 1 to 8."""
-    return min(max(triton.next_power_of_2(c) // 256, 1), 8)
+    return min(max(next_power_of_2(c) // 256, 1), 8)
 
 
 def _kernel_ok(*tensors: Optional[torch.Tensor]) -> bool:
@@ -157,10 +91,10 @@ def norm_forward(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional
     y = torch.empty_like(x)
     mean = torch.empty(0 if rms else n, device=x.device, dtype=torch.float32)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
-    _norm_fwd_kernel[(n,)](x, y, weight if weight is not None else x, bias if bias is not None else x,
-                           mean if not rms else rstd, rstd, c, eps, HAS_W=weight is not None,
-                           HAS_B=bias is not None, RMS=rms, BLOCK_C=triton.next_power_of_2(c),
-                           num_warps=_warps(c))
+    triton_programs()._norm_fwd_kernel[(n,)](
+        x, y, weight if weight is not None else x, bias if bias is not None else x, mean if not rms else rstd, rstd, c,
+        eps, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK_C=next_power_of_2(c),
+        num_warps=_warps(c))
     return y, mean, rstd
 
 
@@ -187,10 +121,10 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tens
     dx = torch.empty_like(x)
     dw = torch.empty(programs, c, device=x.device, dtype=torch.float32) if weight is not None else None
     db = torch.empty(programs, c, device=x.device, dtype=torch.float32) if has_bias else None
-    _norm_bwd_kernel[(programs,)](dy, x, weight if weight is not None else x, mean if not rms else rstd, rstd, dx,
-                                  dw if dw is not None else dx, db if db is not None else dx, n, c, rows,
-                                  HAS_W=weight is not None, HAS_B=has_bias, RMS=rms, BLOCK_C=triton.next_power_of_2(c),
-                                  num_warps=_warps(c))
+    triton_programs()._norm_bwd_kernel[(programs,)](
+        dy, x, weight if weight is not None else x, mean if not rms else rstd, rstd, dx, dw if dw is not None else dx,
+        db if db is not None else dx, n, c, rows, HAS_W=weight is not None, HAS_B=has_bias, RMS=rms,
+        BLOCK_C=next_power_of_2(c), num_warps=_warps(c))
     pdtype = weight.dtype if weight is not None else x.dtype
     dw = dw.sum(0).to(pdtype) if dw is not None else x.new_empty(0)
     db = db.sum(0).to(pdtype) if db is not None else x.new_empty(0)
