@@ -489,3 +489,35 @@ def test_launch_at_import_time_of_a_script_names_the_missing_main_guard(tmp_path
     guarded.write_text("import shardlib\n\ndef f():\n    return 1\n\nif __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
     out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "[1, 1]", out.stderr
+
+
+@pytest.mark.multiprocess
+def test_an_idle_worker_survives_an_interrupt_of_the_process_group():
+    """A notebook's Interrupt (and Ctrl-C in a terminal) sends SIGINT to the whole process group:
+    an idle worker of a warm group keeps waiting (it used to die with a KeyboardInterrupt
+    traceback in ``conn.recv()``, so the next call found its group dead, and every notebook
+    printed two such tracebacks at kernel shutdown); a worker running a task is interrupted as
+    usual, and says so."""
+    import os
+    import signal
+    import time
+
+    from shardlib.errors import WorkerError
+    from shardlib.mesh.launch import WorkerGroup
+
+    group = WorkerGroup(1, timeout=60)
+    try:
+        pid = group.run(os.getpid)[0]
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert group.run(os.getpid) == [pid]  # the same worker, still serving
+
+        def interrupted():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+
+        with pytest.raises(WorkerError) as info:
+            group.run(interrupted)
+        assert info.value.exc_type == "KeyboardInterrupt"
+    finally:
+        group.close()

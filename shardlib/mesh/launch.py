@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -98,12 +99,17 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn,
         dog.on_fatal = fatal
     conn.send(("ready", None))
     while True:
+        # idle: an interrupt sent to the parent's whole process group (Ctrl-C in a terminal, a
+        # notebook's Interrupt or shutdown) leaves the worker waiting, without a traceback; the
+        # parent's exit still ends it (EOF or None). A task is interruptible as usual.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             msg = conn.recv()
         except EOFError:
             break
         if msg is None:
             break
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         trace.set_status("running")
         if dog is not None:
             dog.new_task()
