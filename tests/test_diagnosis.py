@@ -239,24 +239,46 @@ def _stop(dogs):
         atexit.unregister(dog._at_exit)
 
 
-@pytest.mark.parametrize("case", ["every_rank_reads", "one_rank_absent", "one_rank_never_reads"])
+def _register_ended(store, rank):
+    """Register ``rank`` as a process of this host and PID namespace that has ended."""
+    import json
+    import socket
+    import subprocess
+
+    from shardlib.mesh import watchdog as wd
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    store.set(f"{wd._RANK}/{rank}", json.dumps({"host": socket.gethostname(), "pid": ended.pid,
+                                                  "pidns": wd._pid_namespace(), "trace": ""}))
+    return ended.pid
+
+
+CASES = ["every_rank_reads", "one_rank_gone", "one_rank_never_reads", "one_rank_silent"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_a_blocked_rank_ends_once_every_other_rank_holds_the_verdict(monkeypatch, case):
     """A rank whose main thread is blocked in a point-to-point wait diagnoses it on its
     answering thread and publishes a fatal verdict; its process may end (Watchdog.on_fatal) only
     once every rank that can read the verdict holds it (each rank's answering thread
-    acknowledges what it reads, in the store): otherwise a peer whose wait fails when this
-    process ends diagnoses "rank 0 is gone" instead of raising the verdict (1 run in 3 of
-    tests/test_faults.py::test_pipeline_evaluate_on_one_stage_never_pairs_with_training with a
-    fixed 1 s grace). It ends as soon as they hold it (it used to wait a fixed 3 s), at once
-    when the diagnosis found no other rank able to read it (absent here: silent), and after the
-    grace at the latest when one that answered never reads it (its answering thread stopped).
-    Before the acknowledgements, every case ended after the fixed grace."""
+    acknowledges what it reads under a key of its own, in the store): otherwise a peer whose
+    wait fails when this process ends diagnoses "rank 0 is gone" instead of raising the verdict
+    (1 run in 3 of tests/test_faults.py::test_pipeline_evaluate_on_one_stage_never_pairs_with_training
+    with a fixed 1 s grace). It ends as soon as they hold it (it used to wait a fixed 3 s), at
+    once when no other rank can read it (one whose process is gone), and after the grace at the
+    latest when one never reads it: its answering thread stopped after it answered, or it never
+    answered (silent: maybe alive, so waited for; another rank's acknowledgement does not stand
+    in for it)."""
     import time
 
     from shardlib.mesh import watchdog as wd
 
-    world = 2 if case == "one_rank_absent" else 3
-    dogs = _dogs(monkeypatch, world, [0] if case == "one_rank_absent" else range(world))
+    world = {"every_rank_reads": 3, "one_rank_gone": 2, "one_rank_never_reads": 3, "one_rank_silent": 3}[case]
+    present = {"one_rank_gone": [0], "one_rank_silent": [0, 1]}.get(case, range(world))
+    dogs = _dogs(monkeypatch, world, present)
+    if case == "one_rank_gone":
+        _register_ended(dogs[0].store, 1)
     published, ended = [], []
 
     def analyze(states, n):  # every answer is in: a verdict
@@ -281,20 +303,25 @@ def test_a_blocked_rank_ends_once_every_other_rank_holds_the_verdict(monkeypatch
         while not ended and time.monotonic() < limit:
             time.sleep(0.02)
         assert published and ended, "the blocked rank never ended"
-        took, peers = ended[0][0] - published[0][0], ended[0][3]
+        took, peers, statuses = ended[0][0] - published[0][0], ended[0][3], published[0][1]
         gen = dog0.verdict[0]
         assert ended[0][1:3] == ("CollectiveMismatchError", "the ranks differ") and dog0.verdict[1:] == ended[0][1:3]
         verdict = (gen, "CollectiveMismatchError", "the ranks differ")
         if case == "every_rank_reads":
-            assert published[0][1] == {1: "busy", 2: "busy"}
+            assert statuses == {1: "busy", 2: "busy"}
             assert took < 1.0, took  # each peer polls the store every 0.2 s here (_POLL): measured 0.2 s
             assert peers == {1: verdict, 2: verdict}
-        elif case == "one_rank_absent":
-            assert published[0][1] == {1: "silent"}
+        elif case == "one_rank_gone":
+            assert statuses == {1: "gone"}
             assert took < 0.5, took  # nobody else can read it: no wait (measured 0.0 s)
-        else:
+        elif case == "one_rank_never_reads":
+            assert statuses == {1: "busy", 2: "busy"}
             assert took > 1.45, took  # rank 2 never acknowledges: the whole grace (1.5 s here)
             assert peers == {1: verdict, 2: None}
+        else:
+            assert statuses == {1: "busy", 2: "silent"}
+            assert took > 1.45, took  # rank 1's acknowledgement does not count for rank 2
+            assert peers == {1: verdict}
     finally:
         _stop(dogs)
 
@@ -305,10 +332,9 @@ def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(
     gone (it waited SHARDLIB_WATCHDOG_ANSWER / 2 = 5 s here; a ZeRO-3 rank aborted by gloo took
     8-10 s to be named), and a second failed wait of the broken group (the forward's clean-up
     waiting for the same gather) raises the same verdict without asking again (it took another
-    5 s)."""
+    5 s). A process of another PID namespace (a container sharing the host name) is never
+    judged from this one's /proc."""
     import json
-    import socket
-    import subprocess
     import time
 
     from shardlib.errors import RankFailureError
@@ -317,9 +343,7 @@ def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(
     dogs = _dogs(monkeypatch, 2, [0], answer="10")
     try:
         dog0 = dogs[0]
-        ended = subprocess.Popen(["true"])
-        ended.wait()
-        dog0.store.set(f"{wd._RANK}/1", json.dumps({"host": socket.gethostname(), "pid": ended.pid, "trace": ""}))
+        pid = _register_ended(dog0.store, 1)
         calls = []
         real = wd.Watchdog.diagnose
         monkeypatch.setattr(wd.Watchdog, "diagnose", lambda self, **kw: calls.append(kw) or real(self, **kw))
@@ -331,6 +355,45 @@ def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(
             texts.append(str(info.value))
             assert time.monotonic() - t0 < 2.0  # measured 0.0 s
         assert calls == [{"lost": True}]
-        assert texts[0] == texts[1] and f"rank 1 is gone" in texts[0] and f"pid {ended.pid}" in texts[0], texts[0]
+        assert texts[0] == texts[1] and "rank 1 is gone" in texts[0] and f"pid {pid}" in texts[0], texts[0]
+        # the same registration from another PID namespace: its pid means nothing here
+        info = dict(json.loads(dog0.store.get(f"{wd._RANK}/1")), pidns="pid:[1]")
+        dog0.store.set(f"{wd._RANK}/1", json.dumps(info))
+        dog0._peers.clear()
+        assert dog0.pidns and dog0.pidns != "pid:[1]"
+        assert not dog0._gone_here(1) and dog0._probe(1)["status"] == "silent"
+    finally:
+        _stop(dogs)
+
+
+def test_a_verdict_counted_but_never_listed_does_not_hide_the_later_ones(monkeypatch):
+    """A publisher interrupted between counting its verdict and listing it (a KeyboardInterrupt,
+    which a warm worker now survives) leaves a gap; readers pass it after _UNLISTED_S (0.3 s
+    here) and still read every later verdict (they stopped at the gap for good)."""
+    import json
+    import time
+
+    from shardlib.mesh import watchdog as wd
+
+    monkeypatch.setattr(wd, "_UNLISTED_S", 0.3)
+    dogs = _dogs(monkeypatch, 2, [0, 1])
+    try:
+        dog0, dog1 = dogs[0], dogs[1]
+        _stop({1: dog1})  # rank 1 reads only when this test calls read_verdicts
+        store = dog0.store
+        store.add(wd._VCOUNT, 1)  # counted, never listed
+        dog1.read_verdicts()
+        assert dog1.verdict is None
+        gen = int(store.add(wd._GEN, 1))
+        store.set(f"{wd._DIAG}/{gen}/verdict", json.dumps(["CollectiveMismatchError", "later", [1]]))
+        store.set(f"{wd._VLIST}/{int(store.add(wd._VCOUNT, 1))}", str(gen))
+        dog1.read_verdicts()
+        assert dog1.verdict is None  # still within the wait for the gap
+        time.sleep(0.35)
+        dog1.read_verdicts()
+        assert dog1.verdict == (gen, "CollectiveMismatchError", "later")
+        assert store.check([f"{wd._DIAG}/{gen}/ack/1"])
+        dog0._readers[gen] = [1]
+        assert dog0._acknowledged(gen)
     finally:
         _stop(dogs)

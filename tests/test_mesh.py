@@ -497,7 +497,7 @@ def test_an_idle_worker_survives_an_interrupt_of_the_process_group():
     an idle worker of a warm group keeps waiting (it used to die with a KeyboardInterrupt
     traceback in ``conn.recv()``, so the next call found its group dead, and every notebook
     printed two such tracebacks at kernel shutdown); a worker running a task is interrupted as
-    usual, and says so."""
+    usual, says so, and serves the next task."""
     import os
     import signal
     import time
@@ -519,5 +519,6 @@ def test_an_idle_worker_survives_an_interrupt_of_the_process_group():
         with pytest.raises(WorkerError) as info:
             group.run(interrupted)
         assert info.value.exc_type == "KeyboardInterrupt"
+        assert group.run(os.getpid) == [pid]  # and the worker serves on
     finally:
         group.close()

@@ -97,11 +97,13 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn,
             os._exit(1)
 
         dog.on_fatal = fatal
+    task_sigint = signal.getsignal(signal.SIGINT)  # as the worker started (ignored when launched in the background)
     conn.send(("ready", None))
     while True:
         # idle: an interrupt sent to the parent's whole process group (Ctrl-C in a terminal, a
         # notebook's Interrupt or shutdown) leaves the worker waiting, without a traceback; the
-        # parent's exit still ends it (EOF or None). A task is interruptible as usual.
+        # parent's exit still ends it (EOF or None). A task is interruptible as the worker
+        # started; its reply is not (a message cut in half would break the pipe).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             msg = conn.recv()
@@ -109,21 +111,25 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn,
             break
         if msg is None:
             break
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         trace.set_status("running")
         if dog is not None:
             dog.new_task()
         try:
-            fn, args, kwargs, path = cloudpickle.loads(msg)
-            for p in path:
-                if p not in sys.path:
-                    sys.path.append(p)
-            result = fn(*args, **kwargs)
+            signal.signal(signal.SIGINT, task_sigint)
+            try:
+                fn, args, kwargs, path = cloudpickle.loads(msg)
+                for p in path:
+                    if p not in sys.path:
+                        sys.path.append(p)
+                result = fn(*args, **kwargs)
+            finally:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             trace.set_status("returned")
-            conn.send(("ok", cloudpickle.dumps(result)))
+            reply = ("ok", cloudpickle.dumps(result))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
             trace.set_status(f"raised {type(exc).__name__}")
-            conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
+            reply = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
+        conn.send(reply)
     try:
         dist.destroy_process_group()
     except Exception:

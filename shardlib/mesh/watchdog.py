@@ -46,7 +46,7 @@ import threading
 import time
 
 from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError
-from .diagnosis import LOST, analyze
+from .diagnosis import analyze
 from .helper_call import HelperCall
 from .mesh import env_seconds
 from .trace import Trace, is_library, read_trace_file
@@ -56,9 +56,10 @@ __all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
 _CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError)}
 _GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
 # f"{_VLIST}/{k}": the diagnosis generation of the k-th published verdict (k = 1, 2, ...);
-# f"{_DIAG}/{gen}/ack": how many ranks other than its publisher have read verdict ``gen``
+# f"{_DIAG}/{gen}/ack/{rank}": set once ``rank`` has read verdict ``gen``
 _VLIST = "shardlib/diag/verdict"
-_ABSENT = LOST + ("exited",)  # the states of a rank that cannot read a verdict
+_UNREAD = ("stopped", "gone", "exited")  # a rank in one of these states can never read a verdict
+_UNLISTED_S = 5.0  # s a counted verdict may stay unlisted (its publisher interrupted) before readers pass it
 _SLICE = 1.0
 _POLL = 1.0
 _GRACE = 3.0  # s at most a point-to-point wait may take to fail after a fatal verdict before the process ends
@@ -105,11 +106,14 @@ class Watchdog:
         self._answered = int(store.add(_GEN, 0))
         self._vseen = int(store.add(_VCOUNT, 0))  # verdicts read (or published before this process came)
         self._published: set[int] = set()  # generations of the verdicts this rank published
-        self._readers: dict[int, int] = {}  # verdict generation -> the ranks expected to acknowledge it
+        self._readers: dict[int, list[int]] = {}  # verdict generation -> the ranks expected to acknowledge it
+        self._unlisted: tuple[int, float] | None = None  # (k, since) of a counted verdict not listed yet
         self._vlock = threading.Lock()  # read_verdicts: the answering thread, or the main thread on a failure
         self._peers: dict[int, dict] = {}  # rank -> its registration (host, pid, trace file)
-        self._broken: tuple[str, str] | None = None  # the verdict of this rank's first failed collective
-        store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "trace": trace.path or ""}))
+        self._broken: tuple[str, str] | None = None  # a lost rank named by this rank's first failed collective
+        self.pidns = _pid_namespace()
+        store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "pidns": self.pidns,
+                                                 "trace": trace.path or ""}))
         import atexit
 
         atexit.register(self._at_exit)  # after init_mesh's destroy_process_group: runs before it (LIFO)
@@ -192,15 +196,18 @@ class Watchdog:
     def fail(self, exc: BaseException):
         """A collective failed on this rank (gloo's ``Connection closed by peer``): ask the
         others, name who is gone, and raise that as a :class:`CollectiveError` (never returns).
-        A verdict already published (the peer ended after a diagnosis) is raised instead, and a
-        later failure (a clean-up waiting for a collective of the broken group) raises the first
-        one's verdict again at once, without asking the others a second time."""
+        A verdict already published (the peer ended after a diagnosis) is raised instead, and once
+        a rank is named gone or frozen (it never comes back to this group), a later failure (a
+        clean-up waiting for a collective of the broken group) raises that verdict again at once,
+        without asking the others a second time."""
         self.read_verdicts()
         self._raise_verdict()
-        if self._broken is None:
+        if self._broken is not None:
+            cls, text = self._broken
+        else:
             fatal, cls, text = self.diagnose(lost=True)
-            self._broken = (cls, text)
-        cls, text = self._broken
+            if cls == "RankFailureError":
+                self._broken = (cls, text)
         raise _CLASSES.get(cls, CollectiveError)(
             f"{text}\n(the backend said on rank {self.rank}: {type(exc).__name__}: {str(exc)[:300]})") from exc
 
@@ -255,14 +262,17 @@ class Watchdog:
                 return  # the wait ended: the main thread raises the verdict itself
             if self._acknowledged(verdict[0]):
                 break  # every other rank holds it: a peer whose wait fails when we end raises it
+            self.read_verdicts()  # and acknowledge theirs: two ranks in this loop wait for each other
             time.sleep(0.05)
         self.on_fatal(verdict[1], verdict[2])
 
     def _acknowledged(self, gen: int) -> bool:
-        """Whether every rank that will read verdict ``gen`` has read it: every rank but its
-        publisher and the ranks its diagnosis found stopped, gone, exited or silent."""
+        """Whether every rank expected to read verdict ``gen`` has read it: every rank but its
+        publisher and the ranks its diagnosis found stopped, gone or exited (a silent rank may
+        be alive: it is waited for, up to the grace)."""
+        readers = self._readers.get(gen, [r for r in range(self.world) if r != self.rank])
         try:
-            return int(self.store.add(f"{_DIAG}/{gen}/ack", 0)) >= self._readers.get(gen, self.world - 1)
+            return not readers or self.store.check([f"{_DIAG}/{gen}/ack/{r}" for r in readers])
         except Exception:  # noqa: BLE001 - the store went away with its host: wait out the grace
             return False
 
@@ -353,13 +363,20 @@ class Watchdog:
                 self._peers[rank] = info
         return info
 
+    def _local(self, info: dict) -> bool:
+        """Whether the rank registered as ``info`` is a process this one sees in ``/proc``: the
+        same host name and the same PID namespace (containers on one host may share a host name,
+        not their process ids)."""
+        return (info.get("host") == self.host and bool(info.get("pid")) and self.pidns is not None
+                and info.get("pidns") == self.pidns)
+
     def _gone_here(self, rank: int) -> bool:
-        """Whether ``rank`` runs on this host and its process has ended (so it will never answer)."""
+        """Whether ``rank``'s process is one this process sees, and has ended (it will never answer)."""
         try:
             info = self._info(rank)
         except Exception:  # noqa: BLE001 - the store went away with its host
             return False
-        return info.get("host") == self.host and bool(info.get("pid")) and _proc_status(info["pid"]) == "gone"
+        return self._local(info) and _proc_status(info["pid"]) == "gone"
 
     def _probe(self, rank: int) -> dict:
         """The state of a rank that did not answer: from its pid (same host) and its trace file."""
@@ -376,7 +393,7 @@ class Watchdog:
             pass
         state = {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "silent", "step": 0,
                  "records": None}
-        if info.get("host") == self.host and info.get("pid"):
+        if self._local(info):
             state["status"] = _proc_status(info["pid"])
             header, records = read_trace_file(info.get("trace") or "")
             if records:
@@ -425,9 +442,8 @@ class Watchdog:
             return False, cls, text  # the collective completed while the states were gathered: not stuck
         if fatal:
             self._published.add(gen)  # before it is listed: this rank's answering thread does not acknowledge it
-            # the ranks that will acknowledge it: every other rank that answered (not one found stopped, gone,
-            # exited or silent)
-            readers = sum(1 for r, st in states.items() if r != self.rank and st.get("status") not in _ABSENT)
+            # the ranks that will acknowledge it: every other rank not found stopped, gone or exited
+            readers = sorted(r for r, st in states.items() if r != self.rank and st.get("status") not in _UNREAD)
             self._readers[gen] = readers
             store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text, readers]))
             store.set(f"{_VLIST}/{int(store.add(_VCOUNT, 1))}", str(gen))
@@ -464,18 +480,25 @@ class Watchdog:
             try:
                 count = int(store.add(_VCOUNT, 0))
                 while self._vseen < count:
-                    key = f"{_VLIST}/{self._vseen + 1}"
-                    if not store.check([key]):
-                        break  # counted, not listed yet: the next call reads it
+                    k = self._vseen + 1
+                    key = f"{_VLIST}/{k}"
+                    if not store.check([key]):  # counted, not listed yet: the next call reads it, unless its
+                        if self._unlisted is None or self._unlisted[0] != k:  # publisher never lists it
+                            self._unlisted = (k, time.monotonic())
+                        if time.monotonic() - self._unlisted[1] < _UNLISTED_S:
+                            break
+                        self._vseen = k
+                        continue
                     g = int(store.get(key))
                     cls, text, *readers = json.loads(store.get(f"{_DIAG}/{g}/verdict"))
-                    self._readers[g] = readers[0] if readers else self.world - 1
-                    if g not in self._published:
-                        store.add(f"{_DIAG}/{g}/ack", 1)
+                    if readers:
+                        self._readers[g] = readers[0]
+                    self._vseen = k
+                    if g not in self._published:  # one key per rank: a repeated acknowledgement counts once
+                        store.set(f"{_DIAG}/{g}/ack/{self.rank}", "1")
                     with self._lock:
                         if g > self.handled and (self.verdict is None or g > self.verdict[0]):
                             self.verdict = (g, cls, text)
-                    self._vseen += 1
             except Exception:  # noqa: BLE001 - the store went away with its host
                 pass
 
@@ -490,6 +513,14 @@ class Watchdog:
                            json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
         except Exception:  # noqa: BLE001
             pass
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[4026531836]``), or None where ``/proc`` does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _proc_status(pid: int) -> str:
