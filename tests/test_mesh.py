@@ -513,6 +513,9 @@ def test_an_idle_worker_survives_an_interrupt_of_the_process_group():
         assert group.run(os.getpid) == [pid]  # the same worker, still serving
 
         def interrupted():
+            # as a worker started in a terminal or a notebook (started in the background, as by a CI
+            # runner, a worker begins with SIGINT ignored, and its tasks keep it so)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(30)
 
