@@ -245,12 +245,12 @@ def _register_ended(store, rank):
     import socket
     import subprocess
 
-    from shardlib.mesh import watchdog as wd
+    from shardlib.mesh import peers
 
     ended = subprocess.Popen(["true"])
     ended.wait()
-    store.set(f"{wd._RANK}/{rank}", json.dumps({"host": socket.gethostname(), "pid": ended.pid,
-                                                  "pidns": wd._pid_namespace(), "trace": ""}))
+    store.set(f"{peers._RANK}/{rank}", json.dumps({"host": socket.gethostname(), "pid": ended.pid,
+                                                     "pidns": peers.pid_namespace(), "trace": ""}))
     return ended.pid
 
 
@@ -338,6 +338,7 @@ def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(
     import time
 
     from shardlib.errors import RankFailureError
+    from shardlib.mesh import peers
     from shardlib.mesh import watchdog as wd
 
     dogs = _dogs(monkeypatch, 2, [0], answer="10")
@@ -357,11 +358,11 @@ def test_a_failed_wait_names_a_rank_whose_process_is_gone_at_once_and_only_once(
         assert calls == [{"lost": True}]
         assert texts[0] == texts[1] and "rank 1 is gone" in texts[0] and f"pid {pid}" in texts[0], texts[0]
         # the same registration from another PID namespace: its pid means nothing here
-        info = dict(json.loads(dog0.store.get(f"{wd._RANK}/1")), pidns="pid:[1]")
-        dog0.store.set(f"{wd._RANK}/1", json.dumps(info))
-        dog0._peers.clear()
-        assert dog0.pidns and dog0.pidns != "pid:[1]"
-        assert not dog0._gone_here(1) and dog0._probe(1)["status"] == "silent"
+        info = dict(json.loads(dog0.store.get(f"{peers._RANK}/1")), pidns="pid:[1]")
+        dog0.store.set(f"{peers._RANK}/1", json.dumps(info))
+        dog0.peers._info.clear()
+        assert dog0.peers.pidns and dog0.peers.pidns != "pid:[1]"
+        assert not dog0.peers.exited(1) and dog0.peers.probe(1, 128)["status"] == "silent"
     finally:
         _stop(dogs)
 
@@ -373,27 +374,29 @@ def test_a_verdict_counted_but_never_listed_does_not_hide_the_later_ones(monkeyp
     import json
     import time
 
+    from shardlib.mesh import verdicts as vd
     from shardlib.mesh import watchdog as wd
 
-    monkeypatch.setattr(wd, "_UNLISTED_S", 0.3)
+    monkeypatch.setattr(vd, "_UNLISTED_S", 0.3)
     dogs = _dogs(monkeypatch, 2, [0, 1])
     try:
         dog0, dog1 = dogs[0], dogs[1]
         _stop({1: dog1})  # rank 1 reads only when this test calls read_verdicts
         store = dog0.store
-        store.add(wd._VCOUNT, 1)  # counted, never listed
+        store.add(vd._VCOUNT, 1)  # counted, never listed
         dog1.read_verdicts()
         assert dog1.verdict is None
         gen = int(store.add(wd._GEN, 1))
-        store.set(f"{wd._DIAG}/{gen}/verdict", json.dumps(["CollectiveMismatchError", "later", [1]]))
-        store.set(f"{wd._VLIST}/{int(store.add(wd._VCOUNT, 1))}", str(gen))
+        store.set(f"{vd.DIAG}/{gen}/verdict", json.dumps(["CollectiveMismatchError", "later", [1]]))
+        store.set(f"{vd._VLIST}/{int(store.add(vd._VCOUNT, 1))}", str(gen))
         dog1.read_verdicts()
         assert dog1.verdict is None  # still within the wait for the gap
         time.sleep(0.35)
         dog1.read_verdicts()
         assert dog1.verdict == (gen, "CollectiveMismatchError", "later")
-        assert store.check([f"{wd._DIAG}/{gen}/ack/1"])
-        dog0._readers[gen] = [1]
-        assert dog0._acknowledged(gen)
+        assert store.check([f"{vd.DIAG}/{gen}/ack/1"])
+        dog0.verdicts._readers[gen] = [1]
+        assert dog0.verdicts.acknowledged(gen)
     finally:
         _stop(dogs)
+

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ..errors import WorkerError
+from .peers import proc_status
 
 __all__ = ["launch", "WorkerGroup"]
 
@@ -43,13 +44,8 @@ _UNGUARDED = (
 
 
 def _stopped(proc) -> bool:
-    """Whether ``proc`` is stopped (``SIGSTOP``, a debugger's stop): state ``T`` or ``t`` in
-    ``/proc/<pid>/stat`` (Linux; elsewhere, and for a process already gone, False)."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError, TypeError):
-        return False
+    """Whether worker ``proc`` is stopped (``SIGSTOP``, a debugger's stop; Linux only)."""
+    return proc_status(proc.pid) == "stopped"
 
 
 def _context():

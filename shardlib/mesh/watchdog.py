@@ -10,7 +10,8 @@ probed by pid (``/proc``: gone, or stopped by SIGSTOP) and named as the lost one
 neighbour. :func:`~shardlib.mesh.diagnosis.analyze` turns the states into one message; when it
 is fatal (a rank lost, or the ranks' collectives differ and nobody is on their way) it is
 published in the store and every blocked rank raises it within a second (each rank's answering
-thread acknowledges every verdict it reads, in the store). A wait that fails
+thread acknowledges every verdict it reads: :mod:`shardlib.mesh.verdicts`; the ranks'
+registrations and ``/proc`` probes are :mod:`shardlib.mesh.peers`). A wait that fails
 (gloo's ``Connection closed by peer``) is diagnosed at once and raised as
 :class:`~shardlib.errors.RankFailureError` naming the rank, host and pid that is gone.
 ``SHARDLIB_TIMEOUT`` still bounds every wait. Blocking calls that shardlib does not issue
@@ -49,17 +50,15 @@ from ..errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 from .diagnosis import analyze
 from .helper_call import HelperCall
 from .mesh import env_seconds
-from .trace import Trace, is_library, read_trace_file
+from .peers import Peers
+from .trace import Trace, is_library
+from .verdicts import DIAG as _DIAG, Verdicts
 
 __all__ = ["Watchdog", "process_watchdog", "watchdog_seconds"]
 
 _CLASSES = {c.__name__: c for c in (CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, RankFailureError)}
-_GEN, _DIAG, _VCOUNT, _RANK = "shardlib/diag/gen", "shardlib/diag", "shardlib/diag/verdicts", "shardlib/rank"
-# f"{_VLIST}/{k}": the diagnosis generation of the k-th published verdict (k = 1, 2, ...);
-# f"{_DIAG}/{gen}/ack/{rank}": set once ``rank`` has read verdict ``gen``
-_VLIST = "shardlib/diag/verdict"
+_GEN = "shardlib/diag/gen"
 _UNREAD = ("stopped", "gone", "exited")  # a rank in one of these states can never read a verdict
-_UNLISTED_S = 5.0  # s a counted verdict may stay unlisted (its publisher interrupted) before readers pass it
 _SLICE = 1.0
 _POLL = 1.0
 _GRACE = 3.0  # s at most a point-to-point wait may take to fail after a fatal verdict before the process ends
@@ -104,16 +103,9 @@ class Watchdog:
         self._main = threading.main_thread().ident
         self._lock = threading.Lock()
         self._answered = int(store.add(_GEN, 0))
-        self._vseen = int(store.add(_VCOUNT, 0))  # verdicts read (or published before this process came)
-        self._published: set[int] = set()  # generations of the verdicts this rank published
-        self._readers: dict[int, list[int]] = {}  # verdict generation -> the ranks expected to acknowledge it
-        self._unlisted: tuple[int, float] | None = None  # (k, since) of a counted verdict not listed yet
-        self._vlock = threading.Lock()  # read_verdicts: the answering thread, or the main thread on a failure
-        self._peers: dict[int, dict] = {}  # rank -> its registration (host, pid, trace file)
+        self.verdicts = Verdicts(store, rank, world)
+        self.peers = Peers(store, rank, self.host, trace.path or "")
         self._broken: tuple[str, str] | None = None  # a lost rank named by this rank's first failed collective
-        self.pidns = _pid_namespace()
-        store.set(f"{_RANK}/{rank}", json.dumps({"host": self.host, "pid": os.getpid(), "pidns": self.pidns,
-                                                 "trace": trace.path or ""}))
         import atexit
 
         atexit.register(self._at_exit)  # after init_mesh's destroy_process_group: runs before it (LIFO)
@@ -227,7 +219,6 @@ class Watchdog:
             raise
         except Exception as exc:  # noqa: BLE001 - a peer is gone, raised, or the timeout passed
             self._blocked = None  # at once: the answering thread's grace for this wait ends here
-            self.read_verdicts()  # one the answering thread has not polled yet
             self._raise_verdict()  # the answering thread's verdict, or another rank's
             self._failed(exc, start, limit, "a point-to-point transfer", None)
         finally:
@@ -260,21 +251,11 @@ class Watchdog:
         while time.monotonic() < deadline:
             if self._blocked is not blocked:
                 return  # the wait ended: the main thread raises the verdict itself
-            if self._acknowledged(verdict[0]):
+            if self.verdicts.acknowledged(verdict[0]):
                 break  # every other rank holds it: a peer whose wait fails when we end raises it
             self.read_verdicts()  # and acknowledge theirs: two ranks in this loop wait for each other
             time.sleep(0.05)
         self.on_fatal(verdict[1], verdict[2])
-
-    def _acknowledged(self, gen: int) -> bool:
-        """Whether every rank expected to read verdict ``gen`` has read it: every rank but its
-        publisher and the ranks its diagnosis found stopped, gone or exited (a silent rank may
-        be alive: it is waited for, up to the grace)."""
-        readers = self._readers.get(gen, [r for r in range(self.world) if r != self.rank])
-        try:
-            return not readers or self.store.check([f"{_DIAG}/{gen}/ack/{r}" for r in readers])
-        except Exception:  # noqa: BLE001 - the store went away with its host: wait out the grace
-            return False
 
     def call(self, fn, rec: dict, timeout: datetime.timedelta, collective: bool = False):
         """Run ``fn()``, blocking ``torch.distributed`` calls that shardlib does not issue itself
@@ -352,55 +333,6 @@ class Watchdog:
             f = f.f_back
         return "?", in_dist
 
-    def _info(self, rank: int) -> dict:
-        """``{"host", "pid", "trace"}`` of ``rank`` as it registered in the store (cached), or
-        ``{}`` if it has not (yet)."""
-        info = self._peers.get(rank)
-        if info is None:
-            key = f"{_RANK}/{rank}"
-            info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
-            if info:
-                self._peers[rank] = info
-        return info
-
-    def _local(self, info: dict) -> bool:
-        """Whether the rank registered as ``info`` is a process this one sees in ``/proc``: the
-        same host name and the same PID namespace (containers on one host may share a host name,
-        not their process ids)."""
-        return (info.get("host") == self.host and bool(info.get("pid")) and self.pidns is not None
-                and info.get("pidns") == self.pidns)
-
-    def _gone_here(self, rank: int) -> bool:
-        """Whether ``rank``'s process is one this process sees, and has ended (it will never answer)."""
-        try:
-            info = self._info(rank)
-        except Exception:  # noqa: BLE001 - the store went away with its host
-            return False
-        return self._local(info) and _proc_status(info["pid"]) == "gone"
-
-    def _probe(self, rank: int) -> dict:
-        """The state of a rank that did not answer: from its pid (same host) and its trace file."""
-        info = {}
-        key = f"{_RANK}/{rank}"
-        try:
-            info = self._info(rank)
-            exited = self.store.check([f"{key}/exit"])
-            if exited:
-                done = json.loads(self.store.get(f"{key}/exit"))
-                return {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "exited",
-                        "step": done.get("step", 0), "records": done.get("records")}
-        except Exception:  # noqa: BLE001 - the store itself may be gone with its host
-            pass
-        state = {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "silent", "step": 0,
-                 "records": None}
-        if self._local(info):
-            state["status"] = _proc_status(info["pid"])
-            header, records = read_trace_file(info.get("trace") or "")
-            if records:
-                state["records"] = records[-_RECORDS:]
-                state["step"] = int(header.get("step", 0) or 0)
-        return state
-
     def diagnose(self, lost: bool = False, finished=None, own: bool = True) -> tuple[bool, str, str]:
         """Ask every rank for its state through the store and analyze them.
 
@@ -428,25 +360,23 @@ class Watchdog:
                 key = f"{_DIAG}/{gen}/{r}"
                 if r not in states and store.check([key]):
                     states[r] = json.loads(store.get(key))
-                elif r not in states and (store.check([f"{_RANK}/{r}/exit"]) or self._gone_here(r)):
-                    states[r] = self._probe(r)  # exited, or its process is gone: it will not answer
+                elif r not in states and self.peers.exited(r):
+                    states[r] = self.peers.probe(r, _RECORDS)  # it will not answer
             if len(states) < self.world:
                 time.sleep(0.05)
         for r in range(self.world):
             if r not in states:
-                states[r] = self._probe(r)
+                states[r] = self.peers.probe(r, _RECORDS)
         fatal, cls, text = analyze(states, self.world)
         if lost and not fatal:  # our own wait failed: the pair is closed whatever the others say
             fatal, cls = True, "RankFailureError" if cls == "RankFailureError" else "CollectiveError"
         if fatal and not lost and finished is not None and finished():
             return False, cls, text  # the collective completed while the states were gathered: not stuck
         if fatal:
-            self._published.add(gen)  # before it is listed: this rank's answering thread does not acknowledge it
-            # the ranks that will acknowledge it: every other rank not found stopped, gone or exited
-            readers = sorted(r for r, st in states.items() if r != self.rank and st.get("status") not in _UNREAD)
-            self._readers[gen] = readers
-            store.set(f"{_DIAG}/{gen}/verdict", json.dumps([cls, text, readers]))
-            store.set(f"{_VLIST}/{int(store.add(_VCOUNT, 1))}", str(gen))
+            # the ranks expected to read it: every other rank not found stopped, gone or exited (a silent
+            # rank may be alive: it is waited for, up to the grace)
+            self.verdicts.publish(gen, cls, text, sorted(r for r, st in states.items()
+                                                         if r != self.rank and st.get("status") not in _UNREAD))
             with self._lock:
                 if own:
                     self.handled = max(self.handled, gen)
@@ -471,36 +401,12 @@ class Watchdog:
                 self._stop.wait(5 * _POLL)  # not sleep: _at_exit's join must not time out on it
 
     def read_verdicts(self) -> None:
-        """Read the verdicts other ranks published since the last call, in the order they were
-        listed, acknowledge each in the store (see :meth:`_watch`), and keep the newest as
-        :attr:`verdict` (the main thread raises it). A store that is gone (its host ended) is
-        passed over in silence."""
-        store = self.store
-        with self._vlock:
-            try:
-                count = int(store.add(_VCOUNT, 0))
-                while self._vseen < count:
-                    k = self._vseen + 1
-                    key = f"{_VLIST}/{k}"
-                    if not store.check([key]):  # counted, not listed yet: the next call reads it, unless its
-                        if self._unlisted is None or self._unlisted[0] != k:  # publisher never lists it
-                            self._unlisted = (k, time.monotonic())
-                        if time.monotonic() - self._unlisted[1] < _UNLISTED_S:
-                            break
-                        self._vseen = k
-                        continue
-                    g = int(store.get(key))
-                    cls, text, *readers = json.loads(store.get(f"{_DIAG}/{g}/verdict"))
-                    if readers:
-                        self._readers[g] = readers[0]
-                    self._vseen = k
-                    if g not in self._published:  # one key per rank: a repeated acknowledgement counts once
-                        store.set(f"{_DIAG}/{g}/ack/{self.rank}", "1")
-                    with self._lock:
-                        if g > self.handled and (self.verdict is None or g > self.verdict[0]):
-                            self.verdict = (g, cls, text)
-            except Exception:  # noqa: BLE001 - the store went away with its host
-                pass
+        """Read (and acknowledge) the verdicts other ranks published since the last call, and keep
+        the newest not yet handled as :attr:`verdict` (the main thread raises it)."""
+        for g, cls, text in self.verdicts.read():
+            with self._lock:
+                if g > self.handled and (self.verdict is None or g > self.verdict[0]):
+                    self.verdict = (g, cls, text)
 
     def _at_exit(self) -> None:
         # stop the polling thread first: left inside a store call while the process group and the
@@ -509,29 +415,9 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=2 * _POLL + 1)
         try:
-            self.store.set(f"{_RANK}/{self.rank}/exit",
-                           json.dumps({"step": self.trace.step, "records": self.trace.records(_RECORDS)}))
+            self.peers.record_exit(self.trace.step, self.trace.records(_RECORDS))
         except Exception:  # noqa: BLE001
             pass
-
-
-def _pid_namespace() -> str | None:
-    """This process's PID namespace (``pid:[4026531836]``), or None where ``/proc`` does not say."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _proc_status(pid: int) -> str:
-    """A process of this host as the diagnosis names it, from ``/proc/<pid>/stat``: "stopped"
-    (SIGSTOP, a debugger), "gone" (ended, or a zombie) or "silent" (alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(st, "silent")
 
 
 def _end_process(cls: str, text: str) -> None:
