@@ -400,3 +400,33 @@ def test_a_verdict_counted_but_never_listed_does_not_hide_the_later_ones(monkeyp
     finally:
         _stop(dogs)
 
+
+def test_a_verdict_published_during_a_diagnosis_ends_it(monkeypatch):
+    """Two ranks blocked in crossed point-to-point waits diagnose at the same moment. Rank 1's
+    verdict comes first, and rank 1 then waits for rank 0's acknowledgement instead of answering
+    rank 0's diagnosis. Rank 0 takes that verdict (and acknowledges it) at once, instead of waiting
+    for an answer that never comes: it waited until rank 1's process ended and then reported
+    "rank 1 is gone" (tests/test_faults.py::test_pipeline_evaluate_on_one_stage_never_pairs_with_training
+    failed 5 runs in 6 so, with OMP_NUM_THREADS=1)."""
+    import threading
+    import time
+
+    dogs = _dogs(monkeypatch, 2, [0, 1], answer="5")
+    try:
+        dog0, dog1 = dogs[0], dogs[1]
+        _stop({1: dog1})  # rank 1 answers no diagnosis from now on
+        got = []
+        t0 = time.monotonic()
+        diagnosis = threading.Thread(target=lambda: got.append(dog0.diagnose(own=False)))
+        diagnosis.start()
+        time.sleep(0.3)
+        gen = int(dog1.store.add("shardlib/diag/gen", 1))
+        dog1.verdicts.publish(gen, "CollectiveMismatchError", "crossed waits", [0])
+        diagnosis.join(timeout=10)
+        took = time.monotonic() - t0
+        assert got == [(True, "CollectiveMismatchError", "crossed waits")]
+        assert took < 1.5, took  # measured 0.35 s; the answer time is 5 s here
+        assert dog0.verdict == (gen, "CollectiveMismatchError", "crossed waits")  # for its main thread to raise
+        assert dog1.verdicts.acknowledged(gen)
+    finally:
+        _stop(dogs)

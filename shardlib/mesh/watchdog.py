@@ -347,7 +347,8 @@ class Watchdog:
 
         Returns:
             ``(fatal, error class name, message)``; a fatal verdict is also published, so every
-            blocked rank raises it.
+            blocked rank raises it. A verdict another rank publishes while the answers are awaited
+            is returned instead (it is not published again).
         """
         store = self.store
         gen = int(store.add(_GEN, 1))
@@ -356,6 +357,15 @@ class Watchdog:
         states = {self.rank: mine}
         deadline = time.monotonic() + (self.answer_s / 2 if lost else self.answer_s)
         while len(states) < self.world and time.monotonic() < deadline:
+            # another rank's verdict published meanwhile (it diagnosed the same stall, and may not answer:
+            # its answering thread waits for our acknowledgement) stands, acknowledged, instead of ours
+            self.read_verdicts()
+            with self._lock:
+                theirs = self.verdict if self.verdict is not None and self.verdict[0] > self.handled else None
+                if theirs is not None and own:
+                    self.handled = theirs[0]  # the caller raises it
+            if theirs is not None:
+                return True, theirs[1], theirs[2]
             for r in range(self.world):
                 key = f"{_DIAG}/{gen}/{r}"
                 if r not in states and store.check([key]):
