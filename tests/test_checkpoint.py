@@ -66,6 +66,18 @@ class SixLM(torch.nn.Module):
         return logits, torch.nn.functional.cross_entropy(logits, y)
 
 
+class ScalarLM(SixLM):
+    """SixLM with a learnable 0-d temperature: its AdamW ``exp_avg`` is saved 0-d, like ``step``."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, y):
+        logits = self.lin(x * self.gain) * self.temp
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
 def _gpt(seed, dropout=0.0, n_layer=2):
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=37, block_size=8, n_layer=n_layer, n_head=2, n_embd=16, dropout=dropout))
@@ -75,9 +87,9 @@ def _make(kind, seed):
     if kind == "tied":
         torch.manual_seed(seed)
         return TiedLM(37, 10, 13)
-    if kind == "six":
+    if kind in ("six", "scalar"):
         torch.manual_seed(seed)
-        return SixLM()
+        return SixLM() if kind == "six" else ScalarLM()
     if kind == "gpt2":
         torch.manual_seed(seed)
         return make_gpt2()
@@ -88,7 +100,7 @@ def _make(kind, seed):
 
 def _batch(kind, step):
     g = torch.Generator().manual_seed(100 + step)
-    if kind == "six":
+    if kind in ("six", "scalar"):
         return torch.randn(12, 6, generator=g), torch.randint(0, 5, (12,), generator=g)
     x = torch.randint(0, 37, (12, 9), generator=g)
     return x[:, :-1], x[:, 1:]
@@ -210,6 +222,16 @@ def test_zero_size_shard(tmp_path, ranks, stage):
     chunk = next(c for c in smodel_plan.chunks if "gain" in c.params)
     assert chunk.padded_numel == 8 and chunk.shard_numel == 2  # rank 3 holds padding only
     _round_trip(tmp_path, "six", ({"dp": 4}, 3, 8), ({"dp": ranks}, stage, 8))
+
+
+@pytest.mark.parametrize("a,b", [(({"dp": 2}, 3, 8), ({"dp": 1}, 0, 8)), (({"dp": 1}, 0, 64), ({"dp": 2}, 3, 4))])
+def test_a_0d_parameter_resumes_with_its_optimizer_state(tmp_path, a, b):
+    """A 0-d parameter's per-element AdamW state is saved 0-d, as ``step`` is: the load reads it
+    per element (it raised ``slice() cannot be applied to a 0-dim tensor``, or loaded the state 0-d
+    and AdamW refused it at the next step). ZeRO-3 on 2 ranks <-> one rank, the scalar alone in its
+    chunk or sharing one."""
+    whole = _round_trip(tmp_path, "scalar", a, b)
+    assert whole["optim.temp.exp_avg"].shape == () and whole["optim.temp.exp_avg"].abs() > 0
 
 
 def test_dp2_tp2_to_dp4(tmp_path):

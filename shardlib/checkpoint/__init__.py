@@ -99,6 +99,27 @@ def _per_element(state: Any, opt_param: torch.Tensor) -> bool:
     return isinstance(state, torch.Tensor) and state.dim() > 0 and state.shape == opt_param.shape
 
 
+def _element_states(optimizer) -> list[str]:
+    """The per-element state keys of ``optimizer`` on this rank (AdamW: ``exp_avg``, ``exp_avg_sq``).
+
+    Saved in the marker: a 0-d parameter's per-element state is 0-d in the checkpoint, like a
+    scalar state (``step``), so its shape alone does not tell a load which one it is."""
+    inner = _inner(optimizer)
+    if inner is None:
+        return []
+    keys = {k for opt_param, state in inner.state.items() for k, v in state.items() if _per_element(v, opt_param)}
+    return sorted(keys)
+
+
+def _element_keys(saved: dict, info: dict) -> set[str]:
+    """The optimizer state keys a load reads per element: those saved with a dimension for some
+    parameter, and those the marker lists (:func:`_element_states`; older checkpoints lack it).
+    Any other key saved 0-d is a scalar state (``step``), one per chunk."""
+    keys = {k.rsplit(".", 1)[1] for k, md in saved.items()
+            if k.startswith("optim.") and isinstance(md, TensorStorageMetadata) and len(md.size) > 0}
+    return keys | set(info.get("optimizer_element_states") or ())
+
+
 def _dropouts(smodel: ShardedModule) -> dict[str, MeshDropout]:
     return {path: m for path, m in smodel.module.named_modules() if isinstance(m, MeshDropout)}
 
@@ -251,7 +272,7 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             info = dict(format=FORMAT_VERSION, world_size=dist.get_world_size(), mesh=dict(smodel.mesh.shape),
                         zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None,
                         optimizer_class=_optimizer_kind(optimizer.optimizer) if optimizer is not None else None,
-                        time=time.time())
+                        optimizer_element_states=_element_states(optimizer), time=time.time())
             finish_partial(path, info)
 
     step("finishing", finish)
@@ -369,6 +390,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     updated = _optimizer_params(smodel, inner) if inner is not None else {}
     states: list[tuple[torch.Tensor, str, Any]] = []  # (optimizer's param, state key, tensors)
     new_state: dict[int, dict] = {}
+    element_keys = _element_keys(saved, info)
     for pp, name, prm, _ in entries(smodel):
         key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
         if key is None:  # not in the checkpoint (strict=False): keeps its value
@@ -385,7 +407,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             md = saved[prefix + skey]
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            if len(md.size) > 0:  # per element: its shape was checked above
+            if skey in element_keys:  # per element (0-d for a 0-d parameter): its shape was checked above
                 if skey not in fresh:
                     fresh[skey] = torch.zeros_like(updated[chunk.index], dtype=md.properties.dtype)
                 a, b, flat = region(smodel, pp, fresh[skey])
