@@ -291,6 +291,27 @@ class PlainLM(ScaledAlpha):
         self.blocks = nn.ModuleList([PlainBlock(), PlainBlock()])
 
 
+class FlipBlock(PlainBlock):
+    """A constructor flag: ``flip="hidden"`` mixes the hidden units (split over tp) across ranks,
+    not exact; ``flip="input"`` reverses the replicated input, exact but another computation."""
+
+    def __init__(self, flip=None, layer_idx=0):
+        super().__init__()
+        self.flip, self.layer_idx = flip, layer_idx
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(torch.flip(x, [-1]) if self.flip == "input" else x))
+        return x + self.fc2(torch.flip(h, [-1]) if self.flip == "hidden" else h)
+
+
+class FlipLM(PlainLM):
+    """Blocks of one class, layout and shapes (by default the second flips its hidden units)."""
+
+    def __init__(self, flips=(None, "hidden")):
+        super().__init__()
+        self.blocks = nn.ModuleList([FlipBlock(f, i) for i, f in enumerate(flips)])
+
+
 MLP_SPECS = {"blocks.*.fc1.weight": P("tp", None), "blocks.*.fc2.weight": P(None, "tp")}
 
 
@@ -315,6 +336,8 @@ CASES = {
     "unreached block": (OptionalLM, {**ALPHA_SPECS, "ctx.*.fc1.weight": P("tp", None), "ctx.*.fc2.weight": P(None, "tp")},
                         ["never called ctx.0 (CtxBlock)", "verify_input="]),
     "instances that differ": (OddAlpha, ALPHA_SPECS, ["gradient of blocks.1.alpha differs"]),
+    # found by a new user at 33.6M parameters (above the whole-model check): only blocks.0 was run
+    "instances that compute differently": (FlipLM, MLP_SPECS, ["block blocks.1 (FlipBlock): output differs"]),
     "plain MLP block is exact": (PlainLM, MLP_SPECS, None),
 }
 
@@ -339,3 +362,31 @@ def test_sequence_parallel_exit_before_the_last_block_is_refused():
         shardlib.plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True, sp_exit="model.layers.0")
     p = shardlib.plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True, sp_exit="model.layers.2")
     assert p.sp_exit == "model.layers.2"
+
+
+def _units_checked(flips, meta=False):
+    import os
+
+    os.environ["SHARDLIB_VERIFY_WHOLE_LIMIT"] = "0"
+    torch.manual_seed(0)
+    try:
+        with torch.device("meta" if meta else "cpu"):
+            model = FlipLM(flips)
+        options = dict(init_seed=0, init_rules={"*": ("normal", 0.3)}) if meta else {}
+        return shardlib.shard(model, shardlib.init_mesh({"tp": 2}), MLP_SPECS, **options).verification["units"]
+    finally:
+        del os.environ["SHARDLIB_VERIFY_WHOLE_LIMIT"]
+
+
+@pytest.mark.multiprocess
+def test_instances_are_run_once_per_distinct_computation():
+    """Blocks of one class that differ only in values (a layer index, as Hugging Face's
+    ``layer_idx``) run the same operations: one of them is checked. A block whose forward runs
+    other operations is checked too, exact or not (the inexact one is refused in
+    ``test_units_alone_refuse``)."""
+    assert run_on(2, _units_checked, (None, None, None)) == [["blocks.0"]] * 2
+    assert run_on(2, _units_checked, (None, "input", None, "input")) == [["blocks.0", "blocks.1"]] * 2
+    # built on the meta device (weights materialized later): traced with one random copy of blocks.0's
+    assert run_on(2, _units_checked, (None, "input", None), True) == [["blocks.0", "blocks.1"]] * 2
+    with pytest.raises(WorkerError, match=r"block blocks.2 \(FlipBlock\): output differs"):
+        run_on(2, _units_checked, (None, "input", "hidden"), True)

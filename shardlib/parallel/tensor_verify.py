@@ -12,8 +12,9 @@ input, unsharded and sharded, and the outputs and gradients are compared:
   layer (LM head) of a subclass (Gemma's scaled embedding; a plain ``nn.Embedding``/``nn.Linear``
   lowers the same in every model, proven by shardlib's own tests); a model of at most
   ``WHOLE_MODEL_LIMIT`` parameters also whole (the sequence-parallel entry and exit, replicated
-  layers between units). One instance per distinct (class, layout), so an 80-layer model costs
-  one block;
+  layers between units). One instance per distinct computation (:mod:`.tensor_verify_units`:
+  class, layout, parameter shapes and the operations its forward runs), so an 80-layer model
+  costs one block, and two instances of one class that compute differently are each run;
 - inputs: (like ``shard()`` itself, this assumes every rank built the same model, from the same
   seed) a block's real inputs (hidden states, masks, rotary embeddings) are captured by running
   the unsharded model on a small random batch (token ids for a model that starts with an
@@ -31,7 +32,8 @@ input, unsharded and sharded, and the outputs and gradients are compared:
   a global size).
 
 This is the check the HF tp plans and Megatron leave to the user; torchtitan's parity tests do it
-once per model in CI. Cost: one forward and backward of one block per class, at shard() time.
+once per model in CI. Cost, at shard() time: one forward and backward of one block per distinct
+computation, and a forward of every other block on a few tokens, without gradients, to tell them apart.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from torch import nn
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
-from .tensor_rules import head_counts, is_attention, region_blocks, split_param_names
+from .tensor_rules import head_counts, is_attention, split_param_names
+from .tensor_verify_units import Unit as _Unit, candidate_units, distinct_units, representatives
 from .tensor_verify_inputs import (SEED, capture_inputs, first_float, float_outputs, inside, join, put_first_float,
                                    rel, rel_error, run_device, sample_input, split_seq, tree_map, vocab_local,
                                    vocab_slices)
@@ -64,15 +67,6 @@ __all__ = ["verify_tensor_parallel", "TOLERANCE"]
 TOLERANCE = 1e-5
 # models up to this many parameters are also checked whole (three float64 copies: 480 MB at the limit)
 WHOLE_MODEL_LIMIT = 20_000_000
-
-
-@dataclasses.dataclass
-class _Unit:
-    path: str
-    kind: str  # "block", "embedding", "output", "model" (the whole model, when small)
-    split_in: bool = False  # sequence-parallel: the input arrives split along dim 1
-    split_out: bool = False  # ... and the output leaves split
-    inputs: tuple | None = None  # (args, kwargs), captured or synthesized
 
 
 def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | None:
@@ -117,11 +111,13 @@ def verify_tensor_parallel(model: nn.Module, plan: Any, mesh: Any) -> dict | Non
 
 
 def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
-    units = _units(model, plan)
+    candidates = candidate_units(model, plan)
+    units = representatives(candidates)
     why = capture_inputs(model, plan, units, n)
     if why is not None:  # a meta-built model HF code cannot run on meta: check nothing, say so
         return {"units": [], "skipped": f"{type(model).__name__} is on the meta device and {why}", "max_error": 0.0,
                 "unreached": [u.path for u in units]}
+    units = distinct_units(model, candidates, run_device(model))  # instances of a kind that compute otherwise
     limit = int(os.environ.get("SHARDLIB_VERIFY_WHOLE_LIMIT", WHOLE_MODEL_LIMIT))  # tests lower it to check units alone
     if sum(p.numel() for p in model.parameters()) <= limit:
         # small enough to run whole: also proves how the units compose (the sequence-parallel
@@ -154,45 +150,6 @@ def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
         raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
     return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0),
             "unreached": [u.path for u in units if u.inputs is None]}
-
-
-# -- which units -------------------------------------------------------------------------------
-def _units(model: nn.Module, plan: Any) -> list[_Unit]:
-    modules = dict(model.named_modules())
-    in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
-    seen: set = set()
-    units = []
-
-    def add(path: str, kind: str, **kw) -> None:
-        layout = tuple(sorted((rel(l.path, path), l.kind, l.fused) for l in plan.tp_layers if inside(l.path, path)))
-        params = tuple((nm, tuple(p.shape), p.requires_grad) for nm, p in modules[path].named_parameters())
-        key = (type(modules[path]), kind, layout, kw.get("split_in", False), params)  # instances that differ: each run
-        if key not in seen:
-            seen.add(key)
-            units.append(_Unit(path, kind, **kw))
-
-    for layer in plan.tp_layers:
-        # a plain nn.Embedding / nn.Linear lowers the same in every model (shardlib's own tests prove
-        # it); a subclass may override forward, so it is run
-        plain = type(modules[layer.path]) in (nn.Embedding, nn.Linear)
-        if layer.kind in ("vocab", "embed_dim"):
-            if not plain:
-                add(layer.path, "embedding")
-        elif layer.output_layer:
-            if not plain:
-                add(layer.path, "output", split_in=bool(plan.sequence_parallel and not plan.sp_exit))
-        else:
-            anchor = layer.group or layer.path.rpartition(".")[0]
-            block = next((a for a in _ancestors(anchor) if a in in_lists), anchor)
-            sp = block in region
-            add(block, "block", split_in=sp, split_out=sp)
-    return units
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.split(".") if path else []
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
 
 # -- one unit ----------------------------------------------------------------------------------

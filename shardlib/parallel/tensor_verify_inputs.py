@@ -2,7 +2,8 @@
 
 A block's inputs (hidden states, masks, rotary embeddings: whatever its parent passes) are
 captured by running the unsharded model on a small random batch with a forward pre-hook on the
-first instance of each unit class, stopped as soon as the last one was reached; embeddings get
+first instance of each kind of unit (:mod:`.tensor_verify_units`), stopped as soon as the last one
+was reached; embeddings get
 random ids and output layers random activations. Everything is drawn from fixed seeds, so every
 rank holds the same inputs.
 """
