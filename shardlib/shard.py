@@ -16,6 +16,7 @@ from .parallel.recompute import apply_activation_checkpointing
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
 from .lowering import refuse_lowered, register_lowering
+from .errors import ShardingError
 from .mesh.checks import check_on_device
 from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
@@ -78,7 +79,24 @@ class ShardedModule(nn.Module):
         self.verification: dict | None = None  # set by the lowering (shard(verify=True))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward on this rank's local batch (its rows of the global batch,
+        split along dim 0 over ``data_axes``: :attr:`batch_spec`).
+
+        Every data rank must pass as many rows: the gradient is reduced as the mean of the ranks'
+        gradients, which is the gradient of the global batch's mean loss only when each rank's
+        loss is the mean over the same number of rows (a short last batch on one rank, as a
+        ``DataLoader`` with ``drop_last=False`` gives, weighs its rows more; DDP does the same).
+        Check mode (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests) compares the rows of a
+        training forward's first tensor argument across the data ranks, one small all-reduce.
+
+        Raises:
+            ShardingError: in check mode, on every data rank, when a training forward's (module
+                in training mode, gradients enabled) local batches have different row counts.
+        """
         zero = self._zero
+        plan = self.plan
+        if plan.mesh.trace.check and plan.data_size > 1 and self.training and torch.is_grad_enabled():
+            _check_local_rows(plan, args, kwargs)
         if self.plan.param_dtype is not None:  # FSDP2's cast_forward_inputs
             args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
         zero.root_pre_forward()
@@ -396,4 +414,30 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 
 # the full-state views of a sharded module live in shardlib/full_state.py (re-exported here)
+def _check_local_rows(plan: Plan, args: tuple, kwargs: dict) -> None:
+    """Check mode: the first tensor argument (of at least one dimension) has as many rows on every
+    data rank; one all-reduce (max of rows and of -rows) over the data axes, not counted.
+
+    Raises:
+        ShardingError: on every data rank, naming the range of row counts and the axes."""
+    from torch.utils._pytree import tree_flatten
+
+    from .mesh.raw import raw_all_reduce
+
+    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    rows = -1 if first is None else first.shape[0]
+    mesh = plan.mesh
+    both = torch.tensor([rows, -rows], dtype=torch.int64, device=mesh.device)
+    raw_all_reduce(both, mesh, plan.data_axes, op="max", record=False, note="check: local batch rows")
+    most, least = both.tolist()
+    least = -least
+    if most != least:
+        raise ShardingError(
+            f"forward: the local batch has {rows} row{'' if rows == 1 else 's'} on this rank, and between {least} and {most} across the data "
+            f"axes {plan.data_axes} (mesh {dict(mesh.shape)}): the gradient, reduced as the mean of the ranks\' "
+            "gradients, would not be the global batch\'s (the rows of a shorter batch weigh more). Fix: give every "
+            "data rank as many rows (drop_last=True in a DataLoader, or shardlib.distribute() of one global batch "
+            "that divides evenly) (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
+
+
 from .full_state import full_grads, full_state_dict, load_full_state_dict, model_state_bytes  # noqa: E402

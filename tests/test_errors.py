@@ -484,3 +484,34 @@ def test_rank_raising_mid_step_ends_every_rank_without_hanging():
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="closed after a failure"):
         group.run(_train_then_fail, 1, 2)
+
+
+def _unequal_local_batches(stage):
+    import shardlib
+
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(torch.nn.Linear(3, 1), mesh, zero_stage=stage)
+    x = torch.randn(5, 3)
+    mine = x[:4] if mesh.rank == 0 else x[4:]  # a short last batch on rank 1 (drop_last=False)
+    with torch.no_grad():  # evaluation may weigh its ranks itself: accepted
+        smodel(mine)
+    smodel.eval()
+    smodel(mine).sum()
+    smodel.train()
+    smodel(x[:2]).sum().backward()  # equal rows: accepted
+    try:
+        smodel(mine).sum().backward()
+    except ShardingError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 3])
+def test_check_mode_refuses_unequal_local_batches_in_training(stage):
+    """Found by a new user: dp=2 ranks with 4 and 1 rows trained on the mean of the per-rank
+    means, 0.57 off the global batch's gradient, silently, also in check mode."""
+    messages = run_on(2, _unequal_local_batches, stage)
+    assert "has 4 rows on this rank, and between 1 and 4 across the data axes ('dp',)" in messages[0], messages[0]
+    assert "has 1 row on this rank, and between 1 and 4" in messages[1], messages[1]
