@@ -473,7 +473,7 @@ def test_raw_reduce_scatter_and_all_gather_point_to_point(n):
         assert torch.equal(res["own"], torch.arange(n, dtype=torch.float32).repeat_interleave(k) + 7.0)
 
 
-def test_launch_at_import_time_of_a_script_names_the_missing_main_guard(tmp_path):
+def test_launch_at_import_time_of_a_script_names_the_missing_main_guard_and_a_guarded_one_runs(tmp_path):
     """Regression (issue 12): a script calling ``launch()`` without ``if __name__ ==
     "__main__":`` failed with ``ProcessExit`` and no hint; the error now names the fix."""
     import subprocess
@@ -485,10 +485,17 @@ def test_launch_at_import_time_of_a_script_names_the_missing_main_guard(tmp_path
     assert out.returncode != 0
     assert "WorkerError: rank 0 failed with ProcessExit: worker process exited at start" in out.stderr
     assert 'Fix: put the call under `if __name__ == "__main__":`' in out.stderr
-    guarded = tmp_path / "guarded.py"
-    guarded.write_text("import shardlib\n\ndef f():\n    return 1\n\nif __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
+    # guarded, and run from a folder holding a folder named shardlib (a checkout, seen from its
+    # parent folder): the workers imported that folder as the package (a new user's finding: "module
+    # 'shardlib' has no attribute 'init_mesh'"); they also work in the parent's folder
+    (tmp_path / "shardlib" / "shardlib").mkdir(parents=True)
+    (tmp_path / "data.txt").write_text("ok")
+    (tmp_path / "scripts").mkdir()
+    guarded = tmp_path / "scripts" / "guarded.py"
+    guarded.write_text("import shardlib\n\ndef f():\n    import shardlib\n    return shardlib.init_mesh({'dp': 2}).size('dp'),"
+                       " open('data.txt').read()\n\nif __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
     out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert out.returncode == 0 and out.stdout.strip() == "[1, 1]", out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "[(2, 'ok'), (2, 'ok')]", out.stderr
 
 
 @pytest.mark.multiprocess

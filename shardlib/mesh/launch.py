@@ -66,10 +66,36 @@ def _context():
     return ctx
 
 
-def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn, env: dict | None = None) -> None:
+def _start_forkserver(ctx) -> None:
+    """Start ``ctx``'s fork server (if it is one and not running yet) from the folder that holds
+    this shardlib package. The server runs ``python -c``, so the current folder comes first on
+    its ``sys.path`` while it imports its preloads (Python before 3.13 applies the parent's path
+    only to the children), and a folder named ``shardlib`` there (a checkout's root, seen from
+    its parent folder) was imported instead of the package: every worker then failed with
+    ``module 'shardlib' has no attribute 'init_mesh'``. Workers change to the parent's folder
+    themselves (:func:`_worker_main`)."""
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(here)
+
+
+def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn, env: dict | None = None,
+                 cwd: str | None = None) -> None:
     if env is not None:  # forked from the fork server: the parent's environment now, not the server's at its start
         os.environ.clear()
         os.environ.update(env)
+    if cwd is not None:  # the parent's folder now (the fork server's is where it started: _start_forkserver)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["SHARDLIB_TIMEOUT"] = str(timeout_s)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
@@ -170,11 +196,12 @@ class WorkerGroup:
         else:
             hidden = None
         try:
+            _start_forkserver(ctx)
             for rank in range(nprocs):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker_main,
-                    args=(rank, nprocs, os.path.join(self._dir, "store"), timeout, child, dict(os.environ)),
+                    args=(rank, nprocs, os.path.join(self._dir, "store"), timeout, child, dict(os.environ), os.getcwd()),
                     daemon=True,
                 )
                 proc.start()
