@@ -77,9 +77,6 @@ def test_batches_are_addressed_by_index_and_resume_on_the_next_one():
     (["train.global_batch=6", "parallel.mesh={'dp': 4}"], 4, r"\(6\) must be divisible by 4 data rank\(s\)"),
     (["train.grad_accum=3", "parallel.mesh={'dp': 2}"], 2, "divisible by 2 data rank.s. x train.grad_accum=3 = 6"),
     (["parallel.mesh={'pp': 2, 'dp': 1}", "train.grad_accum=2"], 2, "parallel.microbatches=2"),
-    # a new user's finding: these trained a dp-only mesh without a word
-    (["parallel.schedule='gpipe'"], 2, r"parallel.schedule='gpipe' set a pipeline, but the mesh \{'dp': 2\} has no 'pp'"),
-    (["parallel.mesh={'pp': 1, 'dp': 2}", "parallel.microbatches=4"], 2, "parallel.microbatches=4 set a pipeline"),
     (["train.seq_len=100", "model.block_size=64"], 1, r"'train.seq_len' \(100\) is longer than 'model.block_size'"),
     (["optim.decay='step'"], 1, "the decays are: cosine, linear, constant"),
     (["optim.min_lr=1.0", "optim.lr=0.1"], 1, "0 <= min_lr <= lr"),

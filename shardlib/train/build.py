@@ -204,9 +204,7 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
             on a pipeline); ``train.grad_accum > 1`` on a pipeline (raise the microbatches
             instead); ``train.seq_len`` above ``model.block_size``; ``model.n_embd`` not divisible
             by ``model.n_head``; a non-positive step count, interval or learning rate; an unknown
-            ``optim.decay`` or ``optim.name``; ``train.param_dtype`` not a float dtype name; a
-            pipeline key (``parallel.schedule``, ``microbatches``, ``virtual_stages``) set on a
-            mesh without a ``pp`` axis of size > 1.
+            ``optim.decay`` or ``optim.name``; ``train.param_dtype`` not a float dtype name.
     """
     t, o, m = cfg.train, cfg.optim, cfg.model
     for key, low in (("steps", 1), ("global_batch", 1), ("seq_len", 1), ("grad_accum", 1), ("log_interval", 1),
@@ -257,13 +255,6 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
         raise ConfigError(f"config key 'model.n_head' ({m.n_head}) is not divisible by the tp axis ({tp})")
     ranks = data_size(cfg, shape)
     pipelined = pp > 1
-    par = cfg.parallel
-    unused = [f"parallel.{k}={par[k]!r}" for k, off in (("schedule", None), ("microbatches", 1), ("virtual_stages", 1))
-              if par[k] != off]
-    if unused and not pipelined:  # shardlib.plan() refuses them too: a silent no-op would mislead
-        raise ConfigError(f"config key(s) {', '.join(unused)} set a pipeline, but the mesh {shape} has no 'pp' axis of "
-                          f"size > 1, so they would do nothing. Fix: add a pp axis to parallel.mesh, or drop them "
-                          f"(--set parallel.schedule=None --set parallel.microbatches=1 --set parallel.virtual_stages=1)")
     if pipelined and t.grad_accum > 1:
         raise ConfigError(f"config key 'train.grad_accum' is {t.grad_accum} on a pipeline mesh {shape}: a pipeline "
                           f"step already accumulates over its microbatches. Fix: --set train.grad_accum=1 "
