@@ -86,17 +86,23 @@ class ShardedModule(nn.Module):
         gradients, which is the gradient of the global batch's mean loss only when each rank's
         loss is the mean over the same number of rows (a short last batch on one rank, as a
         ``DataLoader`` with ``drop_last=False`` gives, weighs its rows more; DDP does the same).
-        Check mode (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests) compares the rows of a
-        training forward's first tensor argument across the data ranks, one small all-reduce.
+        Ranks that differ only along the tensor-parallel axes (``tp``) must pass the same batch: their
+        partial results are summed as parts of one computation (Megatron's rule; a sampler over
+        the whole world instead of the data axes breaks it silently). Check mode
+        (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests) checks both on the first tensor
+        argument, with one small all-reduce each (not counted in ``mesh.comm``).
 
         Raises:
-            ShardingError: in check mode, on every data rank, when a training forward's (module
-                in training mode, gradients enabled) local batches have different row counts.
+            ShardingError: in check mode, on every rank of the group concerned: a training
+                forward's (module in training mode, gradients enabled) local batches have
+                different row counts across the data axes; or any forward's batch differs
+                (a position-weighted checksum) across the tensor-parallel axes.
         """
         zero = self._zero
-        plan = self.plan
-        if plan.mesh.trace.check and plan.data_size > 1 and self.training and torch.is_grad_enabled():
-            _check_local_rows(plan, args, kwargs)
+        if self.plan.mesh.trace.check and not torch.compiler.is_compiling():  # a host read: no graph break
+            # a pipeline under sequence parallelism hands each tp rank its own sequence shard
+            same = not (isinstance(self, PipelineModule) and self.plan.sequence_parallel)
+            _check_local_batch(self.plan, args, kwargs, self.training and torch.is_grad_enabled(), same)
         if self.plan.param_dtype is not None:  # FSDP2's cast_forward_inputs
             args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
         zero.root_pre_forward()
@@ -414,30 +420,57 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 
 
 # the full-state views of a sharded module live in shardlib/full_state.py (re-exported here)
-def _check_local_rows(plan: Plan, args: tuple, kwargs: dict) -> None:
-    """Check mode: the first tensor argument (of at least one dimension) has as many rows on every
-    data rank; one all-reduce (max of rows and of -rows) over the data axes, not counted.
+def _check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, same: bool) -> None:
+    """Check mode (see :meth:`ShardedModule.forward`): the first tensor argument of at least one
+    dimension has as many rows on every data rank (a training forward), and is the same on every
+    rank of the tensor-parallel axes of size > 1 (not ``pp``: stages take different inputs; a
+    checksum weighted by position, in float64: the same
+    arithmetic on every rank, so equal inputs give equal sums). One all-reduce (max of ``v`` and
+    ``-v``) for each, not counted. Nothing on a dry run (meta tensors, a fake group); not the
+    batch's values when ``same`` is False (a pipeline stage under sequence parallelism).
 
     Raises:
-        ShardingError: on every data rank, naming the range of row counts and the axes."""
+        ShardingError: on every rank of the group, naming the axes, the sizes or the checksums."""
     from torch.utils._pytree import tree_flatten
 
     from .mesh.raw import raw_all_reduce
 
-    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    rows = -1 if first is None else first.shape[0]
     mesh = plan.mesh
-    both = torch.tensor([rows, -rows], dtype=torch.int64, device=mesh.device)
-    raw_all_reduce(both, mesh, plan.data_axes, op="max", record=False, note="check: local batch rows")
-    most, least = both.tolist()
-    least = -least
-    if most != least:
-        raise ShardingError(
-            f"forward: the local batch has {rows} row{'' if rows == 1 else 's'} on this rank, and between {least} and {most} across the data "
-            f"axes {plan.data_axes} (mesh {dict(mesh.shape)}): the gradient, reduced as the mean of the ranks\' "
-            "gradients, would not be the global batch\'s (the rows of a shorter batch weigh more). Fix: give every "
-            "data rank as many rows (drop_last=True in a DataLoader, or shardlib.distribute() of one global batch "
-            "that divides evenly) (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
+    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    if getattr(mesh, "fake", False) or (first is not None and first.is_meta):  # a dry run: no values to compare
+        return
+
+    def spread(value: float, axes: tuple, what: str) -> tuple[float, float]:
+        both = torch.tensor([value, -value], dtype=torch.float64, device=mesh.device)
+        raw_all_reduce(both, mesh, axes, op="max", record=False, note=f"check: {what}")
+        most, least = both.tolist()
+        return -least, most
+
+    if training and plan.data_size > 1:
+        rows = -1 if first is None else first.shape[0]
+        least, most = spread(rows, plan.data_axes, "local batch rows")
+        if most != least:
+            raise ShardingError(
+                f"forward: the local batch has {rows} row{'' if rows == 1 else 's'} on this rank, and between "
+                f"{int(least)} and {int(most)} across the data axes {plan.data_axes} (mesh {dict(mesh.shape)}): the "
+                "gradient, reduced as the mean of the ranks' gradients, would not be the global batch's (the rows of a "
+                "shorter batch weigh more). Fix: give every data rank as many rows (drop_last=True in a DataLoader, or "
+                "shardlib.distribute() of one global batch that divides evenly) (SHARDLIB_CHECK_COLLECTIVES=1 made "
+                "this check)")
+    others = tuple(a for a in mesh.axis_names if a in {l.axis for l in plan.tp_layers} and mesh.size(a) > 1)
+    if same and others and first is not None:
+        flat = first.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        total = float((flat * weights).sum()) if flat.numel() else 0.0
+        least, most = spread(total, others, "the same batch")
+        if most != least:
+            raise ShardingError(
+                f"forward: the batch differs across the axes {others} (mesh {dict(mesh.shape)}): its checksum is "
+                f"{total!r} on this rank, between {least!r} and {most!r} on the group. Ranks that differ only along "
+                f"{others} compute parts of one result from the same batch, so each would train on a mix of the "
+                f"batches. Fix: split the data over the data axes {plan.data_axes} only (shardlib.distribute(batch, "
+                "mesh, smodel.batch_spec), or a sampler over the data ranks, not the whole world) "
+                "(SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
 
 
 from .full_state import full_grads, full_state_dict, load_full_state_dict, model_state_bytes  # noqa: E402

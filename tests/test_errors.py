@@ -515,3 +515,29 @@ def test_check_mode_refuses_unequal_local_batches_in_training(stage):
     messages = run_on(2, _unequal_local_batches, stage)
     assert "has 4 rows on this rank, and between 1 and 4 across the data axes ('dp',)" in messages[0], messages[0]
     assert "has 1 row on this rank, and between 1 and 4" in messages[1], messages[1]
+
+
+def _different_batches_on_tp_ranks():
+    import shardlib
+    from shardlib import P
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)), mesh,
+                            {"0.weight": P("tp", None), "0.bias": P("tp"), "2.weight": P(None, "tp")})
+    x = torch.randn(6, 4)
+    smodel(x.clone()).sum().backward()  # the same batch: accepted
+    with torch.no_grad():
+        try:
+            smodel(x.flip(0) if mesh.rank else x)  # the same rows in another order on rank 1
+        except ShardingError as exc:
+            return str(exc)
+    return "not refused"
+
+
+@pytest.mark.multiprocess
+def test_check_mode_refuses_different_batches_on_tensor_parallel_ranks():
+    """A sampler over the whole world instead of the data ranks hands tp ranks different batches;
+    each then trained on a mix of both, silently (a new user's finding)."""
+    for message in run_on(2, _different_batches_on_tp_ranks):
+        assert "forward: the batch differs across the axes ('tp',) (mesh {'tp': 2})" in message, message

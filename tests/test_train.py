@@ -94,6 +94,19 @@ def test_run_checks_name_the_keys(overrides, world, needle):
         check_run(load_config(None if hf else DEFAULT, overrides), world)
 
 
+def test_pipeline_keys_on_a_mesh_without_pp_are_named_not_refused():
+    """One config serves every mesh (its microbatches are read on a pp mesh only); the tool logs
+    the keys it does not use (a new user saw parallel.schedule='gpipe' on a dp mesh do nothing,
+    silently)."""
+    from shardlib.train.build import pipeline_keys_unused
+
+    cfg = load_config(DEFAULT, ["parallel.schedule='gpipe'", "parallel.microbatches=4"])
+    assert pipeline_keys_unused(cfg, {"dp": 2}) == ["parallel.schedule='gpipe'", "parallel.microbatches=4"]
+    assert pipeline_keys_unused(cfg, {"pp": 1, "dp": 2}) == ["parallel.schedule='gpipe'", "parallel.microbatches=4"]
+    assert pipeline_keys_unused(cfg, {"pp": 2}) == []
+    assert pipeline_keys_unused(load_config(DEFAULT, []), {"dp": 2}) == []
+
+
 def test_mesh_minus_one_takes_the_rest_of_the_world():
     assert mesh_shape(load_config(None, ["parallel.mesh={'dp': -1, 'tp': 2}"]), 8) == {"dp": 4, "tp": 2}
 

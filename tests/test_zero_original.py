@@ -39,7 +39,8 @@ def _shard(shape=None, **options):
 
 def _step(smodel, opt, seed):
     """One training step on this rank's batch; the loss."""
-    g = torch.Generator().manual_seed(seed * 10 + smodel.mesh.rank)
+    axes = smodel.plan.data_axes  # a batch per data rank: tensor-parallel ranks read the same one
+    g = torch.Generator().manual_seed(seed * 10 + (smodel.mesh.index(axes) if axes else 0))
     x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
     if hasattr(smodel, "forward_backward"):
         losses, _ = smodel.forward_backward(x, criterion=nn.functional.mse_loss, labels=(y,))

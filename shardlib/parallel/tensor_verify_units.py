@@ -16,9 +16,11 @@ the key is then run on those inputs with the representative's parameters
 (``torch.func.functional_call``; one materialized random copy of them for a model on the meta
 device), without gradients, and :class:`OpTrace` records the ATen operations it executes (name,
 argument shapes and dtypes, non-tensor argument values). Same weights and inputs make
-data-dependent paths (a mixture of experts' routing) the same, so two candidates trace alike
-exactly when their code and configuration make them compute alike; a candidate that traces
-differently, or cannot run there, is checked too, on the representative's inputs. Cost: one
+data-dependent paths (a mixture of experts' routing) the same, so two candidates trace apart
+when their code or configuration makes them run other operations or other argument values (a
+flag, a per-layer type, a constant); values held in their own buffers (a sliding-window mask)
+do not count, as they do not change how the layers split. A candidate that traces differently,
+or cannot run there, is checked too, on the representative's inputs. Cost: one
 forward of each block on the sample (a few tokens), the forward the sample would run anyway.
 Compare torchtitan's and Megatron's parity tests, which check a model once, whole, in CI.
 """
@@ -57,7 +59,7 @@ def _ancestors(path: str) -> list[str]:
 
 def candidate_units(model: nn.Module, plan) -> list[Unit]:
     """Every unit the plan transforms (see the module doc), each once, in the order of the plan's
-    tensor-parallel layers; ``key`` set, ``inputs`` and ``trace`` not yet."""
+    tensor-parallel layers; ``key`` set, ``inputs`` not yet."""
     modules = dict(model.named_modules())
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
     region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()

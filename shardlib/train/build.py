@@ -194,6 +194,17 @@ def _check_hf(cfg: Config, shape: dict[str, int]) -> None:
                           f"pipeline layers for it (it has them for {', '.join(sorted(HF_PIPELINE_FAMILIES))})")
 
 
+def pipeline_keys_unused(cfg: Config, shape: dict[str, int]) -> list[str]:
+    """``["parallel.microbatches=2", ...]``: the pipeline keys set to other than their default on a
+    mesh without a ``pp`` axis of size > 1, where :func:`sharding` does not pass them (a config
+    serves every mesh; the training tool logs them)."""
+    if shape.get("pp", 1) > 1:
+        return []
+    p = cfg.parallel
+    return [f"parallel.{k}={p[k]!r}" for k, off in (("schedule", None), ("microbatches", 1), ("virtual_stages", 1))
+            if p[k] != off]
+
+
 def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     """The mesh shape of ``cfg`` on ``world_size`` ranks, after the checks that involve several
     keys (every rank raises the same, before any communication).

@@ -23,7 +23,7 @@ import torch
 from ..config import Config, ConfigError
 from ..random import MicrobatchDropout
 from .batches import Batches, open_data
-from .build import PEAK_TFLOPS, build_model, check_run, dims, flops_per_token, is_hf, sharding
+from .build import PEAK_TFLOPS, build_model, check_run, dims, flops_per_token, is_hf, pipeline_keys_unused, sharding
 from .checkpoints import Checkpoints
 from .metrics import MetricsLog, peak_memory_mb
 from .schedule import learning_rate
@@ -184,6 +184,9 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
         log(str(corpus))
         log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters ({type(model).__name__}), mesh {shape}, "
             f"ZeRO stage {cfg.parallel.zero_stage}")
+        unused = pipeline_keys_unused(cfg, shape)
+        if unused:  # one config serves every mesh (a pp mesh reads them): say so, do not refuse
+            log(f"parallel: {', '.join(unused)} apply to a mesh with a 'pp' axis; not used on {shape}")
         rows = cfg.train.global_batch // plan.data_size
         per_pass = rows // (cfg.parallel.microbatches if shape.get("pp", 1) > 1 else cfg.train.grad_accum)
         log(plan.explain(tokens=per_pass * cfg.train.seq_len))
