@@ -419,24 +419,23 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return optree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-# the full-state views of a sharded module live in shardlib/full_state.py (re-exported here)
 def _check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, same: bool) -> None:
     """Check mode (see :meth:`ShardedModule.forward`): the first tensor argument of at least one
     dimension has as many rows on every data rank (a training forward), and is the same on every
     rank of the tensor-parallel axes of size > 1 (not ``pp``: stages take different inputs; a
-    checksum weighted by position, in float64: the same
-    arithmetic on every rank, so equal inputs give equal sums). One all-reduce (max of ``v`` and
-    ``-v``) for each, not counted. Nothing on a dry run (meta tensors, a fake group); not the
+    checksum weighted by position, in float64, NaN and infinities as 0 and +-1: the same arithmetic
+    on every rank, so equal inputs give equal sums). One all-reduce (max of ``v`` and ``-v``) for
+    each, not counted. Nothing on a dry run (meta tensors, a fake group); not the
     batch's values when ``same`` is False (a pipeline stage under sequence parallelism).
 
     Raises:
         ShardingError: on every rank of the group, naming the axes, the sizes or the checksums."""
-    from torch.utils._pytree import tree_flatten
+    import optree
 
     from .mesh.raw import raw_all_reduce
 
     mesh = plan.mesh
-    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+    first = next((t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
     if getattr(mesh, "fake", False) or (first is not None and first.is_meta):  # a dry run: no values to compare
         return
 
@@ -459,7 +458,7 @@ def _check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, sa
                 "this check)")
     others = tuple(a for a in mesh.axis_names if a in {l.axis for l in plan.tp_layers} and mesh.size(a) > 1)
     if same and others and first is not None:
-        flat = first.detach().reshape(-1).to(torch.float64)
+        flat = torch.nan_to_num(first.detach().reshape(-1).to(torch.float64), nan=0.0, posinf=1.0, neginf=-1.0)
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         total = float((flat * weights).sum()) if flat.numel() else 0.0
         least, most = spread(total, others, "the same batch")
@@ -473,4 +472,5 @@ def _check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, sa
                 "(SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
 
 
+# the full-state views of a sharded module live in shardlib/full_state.py (re-exported here)
 from .full_state import full_grads, full_state_dict, load_full_state_dict, model_state_bytes  # noqa: E402
