@@ -14,7 +14,7 @@ names, shapes and dtypes) are told apart by what their ``forward`` executes
 the sample forward captures (:func:`~.tensor_verify_inputs.capture_inputs`); every candidate of
 the key is then run on those inputs with the representative's parameters
 (``torch.func.functional_call``; one materialized random copy of them for a model on the meta
-device), without gradients, and :class:`OpTrace` records the ATen operations it executes (name,
+device), without gradients, and :class:`OpTrace` records the torch operations it calls (name,
 argument shapes and dtypes, non-tensor argument values). Same weights and inputs make
 data-dependent paths (a mixture of experts' routing) the same, so two candidates trace apart
 when their code or configuration makes them run other operations or other argument values (a
@@ -33,7 +33,7 @@ import hashlib
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .tensor_rules import region_blocks
@@ -93,14 +93,18 @@ def candidate_units(model: nn.Module, plan) -> list[Unit]:
 def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"T{tuple(x.shape)}{x.dtype}"
-    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)):
+    if x is None or x is Ellipsis or isinstance(x, (bool, int, float, str, slice, torch.dtype, torch.device,
+                                                     torch.memory_format, torch.layout)):
         return repr(x)
     return type(x).__name__
 
 
-class OpTrace(TorchDispatchMode):
-    """A digest of the ATen operations run under it: each operation's name and its arguments
-    (tensors as shape and dtype, other values as themselves). A context manager."""
+class OpTrace(TorchFunctionMode):
+    """A digest of the torch operations called under it (``torch.*``, ``torch.nn.functional.*``
+    and tensor methods, as ``__torch_function__`` sees them): each one's name and its arguments
+    (tensors as shape and dtype, other values as themselves). A context manager. (A torch
+    function mode, not a dispatch mode: entering the first dispatch mode imports
+    ``torch._dynamo``, 1.4 s of a process's first ``shard()``.)"""
 
     def __init__(self):
         super().__init__()
@@ -109,9 +113,10 @@ class OpTrace(TorchDispatchMode):
     def digest(self) -> str:
         return self._hash.hexdigest()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         flat, _ = tree_flatten((args, kwargs or {}))
-        self._hash.update((str(func) + "(" + ",".join(_describe(a) for a in flat) + ")\n").encode())
+        name = f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', None) or getattr(func, '__name__', func)}"
+        self._hash.update((name + "(" + ",".join(_describe(a) for a in flat) + ")\n").encode())
         return func(*args, **(kwargs or {}))
 
 
