@@ -27,6 +27,7 @@ Compare torchtitan's and Megatron's parity tests, which check a model once, whol
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 
@@ -37,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from .tensor_rules import region_blocks
-from .tensor_verify_inputs import SEED, inside, rel, tree_map
+from .tensor_verify_inputs import SEED, inside, rel
 
 __all__ = ["Unit", "OpTrace", "candidate_units", "representatives", "distinct_units"]
 
@@ -153,7 +154,7 @@ def _trace(module: nn.Module, weights: dict, inputs: tuple) -> str | None:
     """The digest of ``module``'s forward on ``inputs`` with ``weights`` (eval mode, no
     gradients), or None if it raises there (then the unit is checked, and the check names the
     error)."""
-    args, kwargs = tree_map(lambda x: x.clone(), inputs)  # a forward may write into its inputs
+    args, kwargs = copy.deepcopy(inputs)  # a forward may write into its inputs (a KV cache)
     was = [(m, m.training) for m in module.modules()]
     module.eval()
     trace = OpTrace()
