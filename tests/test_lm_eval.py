@@ -88,7 +88,12 @@ def _worker(shape, folder):
                                        disable_tqdm=True)
     scores = downstream(run, ["local_hellaswag", "local_piqa", "local_winogrande"], include_path=folder, batch_size=4,
                         include_defaults=False)
-    return ll, rolling, scores, shardlib.full_state_dict(run.smodel)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # a continuation longer than the model's positions
+        warnings.simplefilter("always")
+        long = lm.loglikelihood([Instance("loglikelihood", {}, ("a", "b" * 70), 0)], disable_tqdm=True)
+    return ll, rolling, scores, shardlib.full_state_dict(run.smodel), (long[0][0], [str(w.message) for w in caught])
 
 
 def _reference_ll(model, context: str, continuation: str) -> float:
@@ -132,7 +137,7 @@ def test_lm_eval_scores_of_a_sharded_model_equal_the_hand_computed_ones(tmp_path
 
     folder = str(tmp_path / "tasks")
     _write_tasks(folder)
-    ll, rolling, scores, state = run_on(4, _worker, {"dp": 2, "tp": 2}, folder)[0]
+    ll, rolling, scores, state, (long, warned) = run_on(4, _worker, {"dp": 2, "tp": 2}, folder)[0]
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=64))
     model.load_state_dict(state, strict=False)
     model.eval()
@@ -145,6 +150,10 @@ def test_lm_eval_scores_of_a_sharded_model_equal_the_hand_computed_ones(tmp_path
         text = "def f(x):\n    return x"
         assert rolling[0] == pytest.approx(_reference_ll(model, "\n", text), rel=1e-6)  # on end-of-text; 7.4e-9 measured
         hand = _hand_scores(model)
+        # 70 continuation tokens, 64 positions: the last 64 are scored (given the one before), and said so
+        assert long == pytest.approx(_reference_ll(model, "b", "b" * 64), rel=1e-6)
+        assert warned == ["ShardedLM: a continuation of 70 tokens is longer than max_length (64): only its last 64 "
+                          "tokens are scored"]
     assert scores["local_hellaswag"]["acc,none"] == hand["local_hellaswag"][0]
     assert scores["local_hellaswag"]["acc_norm,none"] == hand["local_hellaswag"][1]
     assert scores["local_piqa"]["acc,none"] == hand["local_piqa"][0]

@@ -8,7 +8,9 @@ identical inputs; data ranks simply repeat the work), and gets the same scores.
 
 - ``loglikelihood``: the sum of ``log p(continuation token | prefix)`` over the continuation, and
   whether greedy decoding would produce it (lm-eval's contract); contexts longer than the model's
-  positions are cut from the left, as lm-eval's Hugging Face model does.
+  positions are cut from the left, as lm-eval's Hugging Face model does. A continuation longer
+  than ``max_length`` by itself is scored on its last ``max_length`` tokens only, with a
+  ``UserWarning`` naming the tokens left out (its first tokens would have no context to fit).
 - ``loglikelihood_rolling``: the whole text's log-likelihood in disjoint windows of the model's
   length (``lm_eval.utils.get_rolling_token_windows``), the first conditioned on the
   end-of-text token.
@@ -24,6 +26,7 @@ Tokenizers: ``"bytes"`` (ids are UTF-8 bytes; the end-of-text token is the newli
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -147,7 +150,11 @@ class ShardedLM(_Base):
                     raise ValueError("ShardedLM: a continuation of no tokens has no log-likelihood to score")
                 whole = (ctx + cont)[-(self.max_length + 1):]  # cut the context from the left
                 rows.append(whole[:-1])
-                conts.append(cont[-len(whole) + 1:] if len(cont) >= len(whole) else cont)
+                if len(cont) >= len(whole):
+                    warnings.warn(f"ShardedLM: a continuation of {len(cont)} tokens is longer than max_length "
+                                  f"({self.max_length}): only its last {len(whole) - 1} tokens are scored", stacklevel=2)
+                    cont = cont[-len(whole) + 1:]
+                conts.append(cont)
             for i, row, cont, lp in zip(idx, rows, conts, self._logprobs(rows)):
                 tail = lp[len(row) - len(cont):]  # the positions that predict the continuation
                 target = torch.tensor(cont, dtype=torch.long)
