@@ -57,6 +57,7 @@ from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check
 from ._fit import fit_problems
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
+from ._optimizer import element_keys, element_states, inner_optimizer, optimizer_kind, optimizer_params, per_element
 
 __all__ = ["save", "load", "export_safetensors", "latest", "remove", "CheckpointError", "MARKER"]
 
@@ -64,61 +65,6 @@ FORMAT_VERSION = 1
 
 
 # -- what a rank writes and reads ------------------------------------------------------------------
-
-def _inner(optimizer):
-    if optimizer is None:
-        return None
-    from ..optim import ZeroOptimizer
-
-    if not isinstance(optimizer, ZeroOptimizer):
-        raise TypeError(f"checkpoint: optimizer must be the shardlib.ZeroOptimizer of the module, got {type(optimizer).__name__}")
-    return optimizer.optimizer
-
-
-def _optimizer_kind(inner) -> str:
-    """The torch optimizer class ``inner`` is or derives from (``FusedAdamW`` saves as
-    ``torch.optim.AdamW``: same state and hyperparameters), as ``module.Name``."""
-    cls = next((c for c in type(inner).__mro__ if c.__module__.startswith("torch.optim") and c is not torch.optim.Optimizer),
-               type(inner))
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _optimizer_params(smodel: ShardedModule, inner) -> dict[int, torch.Tensor]:
-    """``{chunk index: the tensor the optimizer updates for it}``: the chunk's flat shard, or its
-    host copy under optimizer offload (``ZeroOptimizer`` builds its groups in chunk order)."""
-    trainable = [c for c in smodel._zero.chunks if c.trainable]
-    params = [p for group in inner.param_groups for p in group["params"]]
-    if len(params) != len(trainable) or any(p.shape != c.opt_param.shape for p, c in zip(params, trainable)):
-        raise CheckpointError(
-            f"checkpoint: the optimizer's {len(params)} parameters do not match the {len(trainable)} trainable chunks "
-            "of the module; pass the shardlib.ZeroOptimizer built for this module")
-    return {c.index: p for c, p in zip(trainable, params)}
-
-
-def _per_element(state: Any, opt_param: torch.Tensor) -> bool:
-    return isinstance(state, torch.Tensor) and state.dim() > 0 and state.shape == opt_param.shape
-
-
-def _element_states(optimizer) -> list[str]:
-    """The per-element state keys of ``optimizer`` on this rank (AdamW: ``exp_avg``, ``exp_avg_sq``).
-
-    Saved in the marker: a 0-d parameter's per-element state is 0-d in the checkpoint, like a
-    scalar state (``step``), so its shape alone does not tell a load which one it is."""
-    inner = _inner(optimizer)
-    if inner is None:
-        return []
-    keys = {k for opt_param, state in inner.state.items() for k, v in state.items() if _per_element(v, opt_param)}
-    return sorted(keys)
-
-
-def _element_keys(saved: dict, info: dict) -> set[str]:
-    """The optimizer state keys a load reads per element: those saved with a dimension for some
-    parameter, and those the marker lists (:func:`_element_states`; older checkpoints lack it).
-    Any other key saved 0-d is a scalar state (``step``), one per chunk."""
-    keys = {k.rsplit(".", 1)[1] for k, md in saved.items()
-            if k.startswith("optim.") and isinstance(md, TensorStorageMetadata) and len(md.size) > 0}
-    return keys | set(info.get("optimizer_element_states") or ())
-
 
 def _dropouts(smodel: ShardedModule) -> dict[str, MeshDropout]:
     return {path: m for path, m in smodel.module.named_modules() if isinstance(m, MeshDropout)}
@@ -132,8 +78,8 @@ def _rng_state() -> dict:
 
 
 def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[str, Any]:
-    zero, inner = smodel._zero, _inner(optimizer)
-    updated = _optimizer_params(smodel, inner) if inner is not None else {}
+    zero, inner = smodel._zero, inner_optimizer(optimizer)
+    updated = optimizer_params(smodel, inner) if inner is not None else {}
     sd: dict[str, Any] = {}
     for pp, name, prm, skip in entries(smodel):
         if skip:
@@ -144,7 +90,7 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
         if inner is None or not chunk.trainable:
             continue
         for key, state in inner.state.get(updated[chunk.index], {}).items():
-            if _per_element(state, chunk.opt_param):
+            if per_element(state, chunk.opt_param):
                 a, b, flat = region(smodel, pp, state)
                 sd[f"optim.{name}.{key}"] = Boxes(pp.global_shape, state.dtype, global_pieces(smodel, pp, a, b, flat))
             elif isinstance(state, torch.Tensor) and state.dim() == 0:
@@ -271,8 +217,8 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         if rank == 0:
             info = dict(format=FORMAT_VERSION, world_size=dist.get_world_size(), mesh=dict(smodel.mesh.shape),
                         zero_stage=smodel.plan.zero_stage, optimizer=optimizer is not None,
-                        optimizer_class=_optimizer_kind(optimizer.optimizer) if optimizer is not None else None,
-                        optimizer_element_states=_element_states(optimizer), time=time.time())
+                        optimizer_class=optimizer_kind(optimizer.optimizer) if optimizer is not None else None,
+                        optimizer_element_states=element_states(optimizer), time=time.time())
             finish_partial(path, info)
 
     step("finishing", finish)
@@ -357,7 +303,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     if not isinstance(smodel, ShardedModule):
         raise TypeError(f"checkpoint.load() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
     path = os.path.abspath(os.fspath(path))
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     info = _check_complete(path)
     reader = Reader(path)
     try:
@@ -370,10 +316,10 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     saved = metadata.state_dict_metadata
     if inner is not None and not info.get("optimizer"):
         raise CheckpointError(f"checkpoint {path!r} was saved without optimizer state; call load() without optimizer")
-    if inner is not None and info.get("optimizer_class") not in (None, _optimizer_kind(inner)):
+    if inner is not None and info.get("optimizer_class") not in (None, optimizer_kind(inner)):
         raise CheckpointError(
             f"checkpoint {path!r} holds the state of a {info['optimizer_class']} optimizer, but the optimizer given is a "
-            f"{_optimizer_kind(inner)}: its state and hyperparameters would not fit. Fix: build the ZeroOptimizer with "
+            f"{optimizer_kind(inner)}: its state and hyperparameters would not fit. Fix: build the ZeroOptimizer with "
             f"{info['optimizer_class']}, or call load() without optimizer (weights only)")
     problems, names_differ, skipped = fit_problems(smodel, saved, inner is not None, strict)  # the whole model
     model = smodel.model_name
@@ -387,10 +333,10 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         warnings.warn(f"checkpoint.load({path!r}, strict=False) into {model} skips: {'; '.join(skipped)}", stacklevel=2)
     zero = smodel._zero
     sd: dict[str, Any] = {}
-    updated = _optimizer_params(smodel, inner) if inner is not None else {}
+    updated = optimizer_params(smodel, inner) if inner is not None else {}
     states: list[tuple[torch.Tensor, str, Any]] = []  # (optimizer's param, state key, tensors)
     new_state: dict[int, dict] = {}
-    element_keys = _element_keys(saved, info)
+    per_element_keys = element_keys(saved, info)
     for pp, name, prm, _ in entries(smodel):
         key = next((k for k in dict.fromkeys((name, pp.name) + pp.aliases) if f"model.{k}" in saved), None)
         if key is None:  # not in the checkpoint (strict=False): keeps its value
@@ -407,7 +353,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             md = saved[prefix + skey]
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            if skey in element_keys:  # per element (0-d for a 0-d parameter): its shape was checked above
+            if skey in per_element_keys:  # per element (0-d for a 0-d parameter): its shape was checked above
                 if skey not in fresh:
                     fresh[skey] = torch.zeros_like(updated[chunk.index], dtype=md.properties.dtype)
                 a, b, flat = region(smodel, pp, fresh[skey])
