@@ -198,7 +198,6 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         # a fresh copy of every input: a stateful one (a Hugging Face KV cache with use_cache=True)
         # would carry the unsharded run's keys into the sharded one
         args, kwargs = tree_map(lambda x: x.to(dtype) if x.is_floating_point() else x, copy.deepcopy(unit.inputs))
-        args, kwargs = tree_map(lambda x: x.clone(), (args, kwargs))
         first = first_float(args, kwargs)
         if first is not None:
             if split:
