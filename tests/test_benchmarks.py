@@ -294,7 +294,7 @@ def test_predicted_peak_within_ten_percent_of_the_measured():
     each of 2 ranks (benchmarks.memory._peak: the model state plus the profiler's running sum
     of allocations) for ZeRO 0-3, ZeRO-3 with full recompute, tp=2 + SP and pp=2 1F1B on the
     small GPT (2 x 128, batch 4 x 64): every ratio within 0.9-1.1 (the issue's bound; measured at the 10.8M size
-    0.958-1.029, benchmarks/README.md)."""
+    0.956-1.014, benchmarks/README.md)."""
     from benchmarks import memory
 
     settings = Settings(size="small", batch=4, seq=64, corpus_bytes=50_000)  # (the smoke size's state is below the noise)
@@ -303,3 +303,5 @@ def test_predicted_peak_within_ten_percent_of_the_measured():
     for r in rows:
         ratios = [float(x) for x in r["ratio"].split(" / ")]
         assert len(ratios) == 2 and all(0.9 <= x <= 1.1 for x in ratios), r
+        if r["comparison"].endswith("zero-3 full recompute"):  # the peak in blocks.0's backward: measured
+            assert all(0.97 <= x <= 1.03 for x in ratios), r  # 0.995 (0.931 from the start of backward alone)
