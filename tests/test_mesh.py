@@ -492,10 +492,13 @@ def test_launch_at_import_time_of_a_script_names_the_missing_main_guard_and_a_gu
     (tmp_path / "data.txt").write_text("ok")
     (tmp_path / "scripts").mkdir()
     guarded = tmp_path / "scripts" / "guarded.py"
-    guarded.write_text("import shardlib\n\ndef f():\n    import shardlib\n    return shardlib.init_mesh({'dp': 2}).size('dp'),"
-                       " open('data.txt').read()\n\nif __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
+    # a worker starts with torch._dynamo imported by the fork server: creating any torch optimizer
+    # imports it, 1.4-1.8 s of CPU in each worker otherwise (shardlib.mesh.launch._context)
+    guarded.write_text("import sys\nimport shardlib\n\ndef f():\n    import shardlib\n    dynamo = 'torch._dynamo' in sys.modules\n"
+                       "    return shardlib.init_mesh({'dp': 2}).size('dp'), open('data.txt').read(), dynamo\n\n"
+                       "if __name__ == '__main__':\n    print(shardlib.launch(f, 2))\n")
     out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert out.returncode == 0 and out.stdout.strip() == "[(2, 'ok'), (2, 'ok')]", out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "[(2, 'ok', True), (2, 'ok', True)]", out.stderr
 
 
 @pytest.mark.multiprocess
