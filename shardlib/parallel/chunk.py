@@ -21,8 +21,14 @@ freed, each of them therefore carries a subclass of its own class (``ShardedAway
 swapped in through ``__class__``: the tensor, its hooks, ``id`` and autograd node stay the same)
 whose ``__torch_function__`` lets metadata through (shape, dtype, device, ``requires_grad``,
 ``grad``: see ``_METADATA``) and raises :class:`~shardlib.errors.ShardedAwayError` for every
-other torch function or method, naming the parameter. :meth:`Chunk.restore_storage` swaps the
-original class back before the buffer is gathered. The cost is one ``__class__`` assignment per
+other torch function or method, naming the parameter. :meth:`Chunk.restore_storage` allocates
+the buffer again before it is gathered into; the original class comes back only once the
+gather is complete (:meth:`Chunk.restore_class`, at the wait), so a parameter read while its
+chunk is in flight (prefetched, not waited for) cannot see a half-written buffer. Inside the
+forward and backward of the sharded module, such a read does not raise: the parameter's
+``on_access`` callback (:func:`set_on_access`) gathers or waits for its chunk and the function
+runs (a parent module reading a child's parameter, as a tied head ``h @ self.emb.weight.t()``
+does, or a ``ParameterList`` entry). The cost is one ``__class__`` assignment per
 parameter per free and per gather (4 per step), none in the ops: a gathered parameter has its own
 class, so the forward and backward pay no ``__torch_function__`` dispatch. Measured (2-core CPU,
 dp=2, a 4-layer GPT of 68 parameters): 60-70 ns a swap, 272 a step, 17 us against a 73 ms step;
@@ -40,7 +46,7 @@ from torch import nn
 
 from ..errors import ShardedAwayError
 
-__all__ = ["Chunk", "mark_sharded_away"]
+__all__ = ["Chunk", "mark_sharded_away", "set_on_access"]
 
 _T = torch.Tensor
 # Torch functions that read a tensor's metadata, never its elements: allowed on a parameter whose
@@ -57,6 +63,7 @@ _METADATA = frozenset(
         "__hash__", "__len__", "__dir__")]
 )
 _NOTE = "_shardlib_sharded_away"  # a parameter's message while its storage is freed (set at set-up)
+_ACCESS = "_shardlib_on_access"  # a weak reference to its runtime's gather-on-access callback (set_on_access)
 _AWAY: dict[type, type] = {}  # original parameter class -> its sharded-away subclass
 _ORIGINAL: dict[type, type] = {}  # and back
 
@@ -67,13 +74,29 @@ def mark_sharded_away(prm: nn.Parameter, message: str) -> None:
     prm.__dict__[_NOTE] = message
 
 
+def set_on_access(prm: nn.Parameter, callback) -> None:
+    """Let ``callback(prm) -> bool`` make ``prm``'s values available when a torch function
+    touches it while its chunk is freed or in flight (True: the chunk is gathered and
+    ``prm`` has its own class again; False: refuse). Held through a weak reference to the
+    bound method, so a parameter does not keep its runtime alive."""
+    import weakref
+
+    prm.__dict__[_ACCESS] = weakref.WeakMethod(callback)
+
+
 def _refuse(cls, func, kinds, args=(), kwargs=None):
-    """``__torch_function__`` of a sharded-away parameter: metadata passes, anything else raises."""
+    """``__torch_function__`` of a sharded-away parameter: metadata passes; anything else runs
+    once the parameter's ``on_access`` callback has gathered its chunk (inside the sharded
+    module's forward or backward), or raises :class:`~shardlib.errors.ShardedAwayError`."""
     kwargs = kwargs or {}
     if func in _METADATA:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     away = next((t for t in optree.tree_leaves((args, kwargs)) if type(t) in _ORIGINAL), None)
+    ref = getattr(away, "__dict__", {}).get(_ACCESS)
+    callback = ref() if ref is not None else None
+    if callback is not None and callback(away) and type(away) not in _ORIGINAL:
+        return func(*args, **kwargs)  # (another argument still sharded away comes back here)
     message = getattr(away, "__dict__", {}).get(_NOTE, "a parameter was sharded away by shardlib.shard (ZeRO-3)")
     raise ShardedAwayError(f"{message} (tried {_function_name(func)})")
 
@@ -188,6 +211,7 @@ class Chunk:
         if self.trainable:
             self.opt_param = nn.Parameter(self.shard, requires_grad=True)
         self.gathered = True
+        self.away = False  # its parameters carry the sharded-away class (free_storage .. restore_class)
         self.gather_handle = None
         self.copy_event = None  # CUDA, offloaded: the side stream's copy-in of the shard (parallel/gather.py)
         self.reduce_handle = None
@@ -210,22 +234,33 @@ class Chunk:
         return self.full.numel() * self.full.element_size()
 
     def free_storage(self) -> None:
-        """Release the full buffer's memory (ZeRO-3 between uses); until :meth:`restore_storage`
-        its parameters raise :class:`~shardlib.errors.ShardedAwayError` on any use but metadata."""
+        """Release the full buffer's memory (ZeRO-3 between uses); until :meth:`restore_class`
+        its parameters raise :class:`~shardlib.errors.ShardedAwayError` on any use but metadata
+        (or gather it on access: :func:`set_on_access`)."""
         self.full.untyped_storage().resize_(0)
         for prm, _ in self.params:
             away = None if type(prm) in _ORIGINAL else _away_class(type(prm))
             if away is not None:
                 prm.__class__ = away
+        self.away = True
 
-    def restore_storage(self) -> None:
-        """Allocate the full buffer again (uninitialised, to be gathered into) and give its
-        parameters back their own class."""
+    def restore_storage(self, swap: bool = True) -> None:
+        """Allocate the full buffer again (uninitialised, to be gathered into) and, with
+        ``swap``, give its parameters back their own class (a gather leaves that to its wait:
+        :meth:`restore_class`)."""
         self.full.untyped_storage().resize_(self.nbytes)
+        if swap:
+            self.restore_class()
+
+    def restore_class(self) -> None:
+        """Give the parameters back their own class (their buffer holds their values)."""
+        if not self.away:
+            return
         for prm, _ in self.params:
             original = _ORIGINAL.get(type(prm))
             if original is not None:
                 prm.__class__ = original
+        self.away = False
 
     def new_grad_full(self) -> torch.Tensor:
         """An unreduced-gradient buffer for the whole chunk in the reduction dtype, uninitialised

@@ -15,6 +15,13 @@ order, the same on every rank whatever the data does, so they pair up across ran
 run inside backward (activation checkpointing's recompute, reentrant or not) gathers its chunks
 that same backward way and frees none: they are freed once their gradients are complete.
 
+A parameter read outside its own module's forward (a parent reading a child's parameter, as a
+tied head ``h @ self.emb.weight.t()`` does, or a ``ParameterList`` entry) is gathered on access
+(:meth:`ParameterGathering._on_access`): inside the sharded module's forward the forward way
+(every chunk up to its own, ascending; kept until the forward ends), inside backward the
+backward way; a chunk in flight is waited for first. Every rank runs the same code, so these
+gathers pair up like the hooks' own. Outside forward and backward the read still raises.
+
 :class:`ParameterGathering` is a mixin of :class:`~shardlib.parallel.zero.ZeroRuntime`; it
 uses its ``chunks``, ``param_chunk``, ``model``, ``mesh``, ``axes``, ``stage``, ``plan``,
 ``_hooks``, ``_queue_callback`` and ``_cast_into_slot``.
@@ -30,7 +37,7 @@ from torch import nn
 
 from ..mesh.collectives import raw_all_gather
 from ..mesh.eager import eager
-from .chunk import Chunk
+from .chunk import Chunk, set_on_access
 
 __all__ = ["ParameterGathering"]
 
@@ -56,6 +63,11 @@ class ParameterGathering:
                 self._hooks.append(module.register_forward_hook(self._post_forward))
         self._uses = list(self._static_uses)
         self._storage_ptr: dict[int, Chunk] = {}
+        self._in_forward = False  # between the root's pre- and post-forward: a read gathers on access
+        self._accessed: set[int] = set()  # chunks gathered on access in this forward: kept for backward
+        for chunk in self.chunks:
+            for prm, _ in chunk.params:
+                set_on_access(prm, self._on_access)
 
     def module_chunks(self, module: nn.Module) -> list[Chunk]:
         """The chunks holding ``module``'s own parameters (not its submodules'), ascending."""
@@ -64,7 +76,7 @@ class ParameterGathering:
     def _gather(self, chunk: Chunk) -> None:
         if chunk.gathered:
             return
-        chunk.restore_storage()
+        chunk.restore_storage(swap=False)  # its parameters stay sharded away until the wait (_wait)
         if chunk.offloaded:
             self._gather_offloaded(chunk)
         else:
@@ -106,6 +118,31 @@ class ParameterGathering:
         if event is not None:  # (CUDA: the compute stream waits for the side stream's copy-in)
             torch.cuda.current_stream(chunk.full.device).wait_event(event)
             chunk.copy_event = None
+        chunk.restore_class()
+
+    def _on_access(self, prm: nn.Parameter) -> bool:
+        """A torch function touched ``prm`` while its chunk was freed or in flight (see the
+        module): make it readable and return True, or return False (outside the sharded module's
+        forward and backward: the read raises ShardedAwayError). A chunk gathered in forward this
+        way stays gathered until its gradients are complete (as a tied chunk does)."""
+        chunk = self.param_chunk.get(id(prm)) if self.stage == 3 else None
+        if chunk is None:
+            return False
+        if chunk.gathered:  # in flight (a prefetch): only this rank's wait is missing
+            self._wait(chunk)
+            return True
+        if torch._C._current_graph_task_id() != -1:  # a forward run inside backward (a recompute)
+            self._backward_touch(chunk)
+            return True
+        if not self._in_forward:
+            return False
+        for i in range(self._fwd_next, chunk.index + 1):  # the forward's ascending order, as _pre_forward
+            self._gather(self.chunks[i])
+        self._fwd_next = max(self._fwd_next, chunk.index + 1)
+        self._gather(chunk)  # (freed after an earlier use in this forward)
+        self._wait(chunk)
+        self._accessed.add(chunk.index)
+        return True
 
     def _free(self, chunk: Chunk) -> None:
         if not chunk.gathered or self.stage != 3:
@@ -138,6 +175,8 @@ class ParameterGathering:
             self._uses = list(self._static_uses)
             self._fwd_next = 0
             self._bwd_next = len(self.chunks) - 1
+            self._in_forward = True
+            self._accessed = set()
 
     def root_post_forward(self) -> None:
         if self.stage == 3:
@@ -145,9 +184,12 @@ class ParameterGathering:
 
     @eager
     def _root_post_forward(self) -> None:
-        keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it
+        self._in_forward = False
+        keep = torch.is_grad_enabled()  # a backward follows: resident chunks stay gathered for it, and
+        # so do chunks gathered on access (a tied head's weight read by the parent: its backward
+        # reads it first, and gathering it there would gather every chunk above it at once)
         for chunk in self.chunks:
-            if not (keep and not chunk.plan.reshard_after_forward):
+            if not (keep and (not chunk.plan.reshard_after_forward or chunk.index in self._accessed)):
                 self._free(chunk)
         self._bwd_next = len(self.chunks) - 1
 
