@@ -13,13 +13,34 @@ from .mesh.guard import post, wait_works
 from .state_names import persistent_buffers
 from .shard import PipelineModule, ShardedModule
 
-__all__ = ["full_state_dict", "full_grads", "load_full_state_dict", "model_state_bytes"]
+__all__ = ["data_root_buffers", "full_state_dict", "full_grads", "load_full_state_dict", "model_state_bytes"]
 
 
 def _require_sharded(smodel: Any, fn: str) -> ShardedModule:
     if not isinstance(smodel, ShardedModule):
         raise TypeError(f"{fn}() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
     return smodel
+
+
+def data_root_buffers(smodel: ShardedModule) -> dict[str, torch.Tensor]:
+    """``{name: copy}`` of every persistent buffer of ``smodel.module`` as the first data rank
+    (index 0 over the plan's data axes) holds it: one ``broadcast`` per buffer over the data
+    axes (collective: call on every rank). Under data parallelism each rank updates buffers
+    such as BatchNorm's running statistics from its own batch, and DDP's rule
+    (``broadcast_buffers=True``) makes the first rank's authoritative; a saved state is that
+    rank's, never one buffer from one rank and the next from another (what DCP's deduplication
+    of equal keys wrote before: a state no rank ever held). The live buffers are not changed."""
+    from .mesh.raw import raw_broadcast
+
+    plan, mesh = smodel.plan, smodel.mesh
+    spread = plan.data_size > 1 and not getattr(mesh, "fake", False)
+    out = {}
+    for name, buf in persistent_buffers(smodel.module).items():
+        copy = buf.detach().clone()
+        if spread and copy.numel() and not copy.is_meta:
+            raw_broadcast(copy.view(torch.uint8) if copy.dtype == torch.bool else copy, mesh, plan.data_axes)
+        out[name] = copy
+    return out
 
 
 def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str, torch.Tensor]:
@@ -34,7 +55,8 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     Returns:
         ``{name: tensor}`` in ``smodel.module.state_dict()`` order (on a pipeline: stage by stage,
         the other stages' tensors on the mesh's device); each parameter has its global shape and
-        is a fresh copy (collective under ZeRO-3 and on a pipeline: call on every rank).
+        is a fresh copy; each buffer is the first data rank's (:func:`data_root_buffers`), the
+        same on every rank. Collective: call on every rank.
 
     Raises:
         TypeError: ``smodel`` is not a sharded module, or ``rank0_only`` not a bool (before any
@@ -49,6 +71,7 @@ def full_state_dict(smodel: ShardedModule, rank0_only: bool = False) -> dict[str
     for pp in smodel.plan.params:
         for alias in pp.aliases:
             full[alias] = full[pp.name]
+    full.update(data_root_buffers(smodel))
     out = {}
     for name, value in smodel.module.state_dict(keep_vars=True).items():
         out[name] = full[name] if name in full else value.detach().clone()

@@ -431,6 +431,67 @@ def test_exact_resume_is_bitwise(tmp_path):
             assert torch.equal(second[rank][1][name], value), name
 
 
+
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.head = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.fc(x)))).pow(2).mean()
+
+
+def _buffers_worker(path, broadcast, mode):
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_BatchNormNet(), mesh, zero_stage=1, broadcast_buffers=broadcast)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+
+    def step(i):  # each rank its own rows: running statistics differ across ranks after a step
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+        smodel(shardlib.distribute(x, mesh, smodel.batch_spec)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    own = {}
+    if mode == "save":
+        step(0)
+        step(1)
+        own = {k: v.clone() for k, v in smodel.module.bn.named_buffers()}
+        ckpt.save(path, smodel, opt)
+    else:
+        ckpt.load(path, smodel, opt)
+    step(2)
+    return own, shardlib.full_state_dict(smodel), {k: v.clone() for k, v in smodel.module.bn.named_buffers()}
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_are_saved_as_the_first_data_rank_holds_them(tmp_path, broadcast):
+    """BatchNorm's running statistics differ across data ranks between steps (each rank's own
+    rows). DCP deduplicates a key saved by every rank by picking one rank per key, so a
+    checkpoint held running_mean from one rank and running_var from the other: a state no
+    rank ever had, and the resumed run's statistics were 6.1e-2 off the uninterrupted run's
+    (found by a new-user test). Every buffer is now the first data rank's, in the checkpoint and
+    in full_state_dict on every rank; with broadcast_buffers (DDP's rule: the first rank's are
+    authoritative) the step after a resume equals the uninterrupted one."""
+    path = str(tmp_path / "bn")
+    saved = run_on(2, _buffers_worker, path, broadcast, "save")
+    (own0, full0, live0), (own1, full1, _) = saved
+    assert not torch.equal(own0["running_mean"], own1["running_mean"])  # the ranks really differ
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, str(tmp_path / "whole.pt"))
+    whole = torch.load(str(tmp_path / "whole.pt"))
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(whole[f"model.bn.{key}"], own0[key]), key
+    for name in full0:  # one full state on every rank, rank 0's buffers after the third step
+        assert torch.equal(full0[name], full1[name]), name
+    assert torch.equal(full0["bn.running_var"], live0["running_var"])
+    resumed = run_on(2, _buffers_worker, path, broadcast, "load")
+    if broadcast:
+        for key in ("running_mean", "running_var"):
+            assert torch.equal(resumed[0][2][key], live0[key]), key
+
 # -- safetensors export ----------------------------------------------------------------------------
 
 def make_gpt2():

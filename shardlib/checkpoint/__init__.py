@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..errors import CollectiveError
 from ..random import MeshDropout
 from ..shard import ShardedModule
+from ..full_state import data_root_buffers
 from ..state_names import persistent_buffers
 from ._export import export_safetensors
 from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check_save_target, describe, failure_of,
@@ -100,8 +101,8 @@ def _save_state(smodel: ShardedModule, optimizer, extra: dict | None) -> dict[st
                     f"checkpoint.save: optimizer state {key!r} of {name} has shape "
                     f"{tuple(getattr(state, 'shape', ()))}, neither per element {tuple(chunk.opt_param.shape)} nor a "
                     f"scalar; only elementwise optimizers (AdamW, Adam, SGD) are supported")
-    for name, buf in persistent_buffers(smodel.module).items():
-        sd[f"model.{name}"] = buf.detach()
+    for name, buf in data_root_buffers(smodel).items():  # the first data rank's, every one of them
+        sd[f"model.{name}"] = buf
     if inner is not None:
         sd["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     for path, drop in _dropouts(smodel).items():
