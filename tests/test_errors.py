@@ -541,3 +541,33 @@ def test_check_mode_refuses_different_batches_on_tensor_parallel_ranks():
     each then trained on a mix of both, silently (a new user's finding)."""
     for message in run_on(2, _different_batches_on_tp_ranks):
         assert "forward: the batch differs across the axes ('tp',) (mesh {'tp': 2})" in message, message
+
+
+def _diagnosis_and_lost_peer(order):
+    import torch.distributed as dist
+
+    from shardlib.errors import CollectiveMismatchError
+
+    rank = dist.get_rank()
+    if order[rank] == "diagnosis":  # what a rank's watchdog raises, naming the first differing collective
+        raise CollectiveMismatchError("the ranks stopped issuing the same collectives (the diagnosis)")
+    if order[rank] == "lost":  # what gloo raises on the peer once that rank has closed its pairs
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:50847. This is "
+                           "typically caused by a remote worker crashing.")
+    raise ValueError("the user's own error")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("order,first,exc_type", [(("diagnosis", "lost"), 0, "CollectiveMismatchError"),
+                                                  (("lost", "diagnosis"), 1, "CollectiveMismatchError"),
+                                                  (("lost", "own"), 1, "ValueError")])
+def test_launch_reports_the_diagnosis_before_a_peers_lost_connection(order, first, exc_type):
+    """Rank 0 alone in a ZeRO-3 forward, rank 1 in a plain barrier: rank 0's watchdog raised the
+    CollectiveMismatchError naming both call sites and closed its connections, and rank 1's gloo
+    then raised 'Connection closed by peer'; launch() reported rank 1's RuntimeError alone (its
+    rule put any error before the collective errors; found by a new-user test). A backend's lost
+    connection now comes last: a rank's own error first, then the diagnosis."""
+    with pytest.raises(WorkerError) as info:
+        shardlib.launch(_diagnosis_and_lost_peer, 2, order)
+    assert info.value.rank == first and info.value.exc_type == exc_type, str(info.value)[:500]
+    assert set(info.value.errors) == {0, 1}

@@ -43,6 +43,17 @@ _UNGUARDED = (
 )
 
 
+# what gloo (and NCCL) raise on a rank whose peer closed the connection: the consequence of that
+# peer's own failure, never a cause to report first
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+              "NCCL communicator was aborted")
+
+
+def _peer_lost(exc_type: str, message: str) -> bool:
+    """Whether a worker's ``exc_type: message`` is a backend's lost connection to a peer."""
+    return exc_type in ("RuntimeError", "DistBackendError") and any(s in message for s in _PEER_LOST)
+
+
 def _stopped(proc) -> bool:
     """Whether worker ``proc`` is stopped (``SIGSTOP``, a debugger's stop; Linux only)."""
     return proc_status(proc.pid) == "stopped"
@@ -293,9 +304,11 @@ class WorkerGroup:
                     errors = {r: (t, m + ("\n" + diff if t == "ProcessExit" else ""), tb) for r, (t, m, tb) in errors.items()}
             if pending or any(kind in _FATAL for kind, _, _ in errors.values()):
                 self.close()  # a rank is stuck or gone, or the collectives are out of step: the group cannot run again
-            if errors:  # the cause before its consequences: a rank's own error or death, then the collective errors
-                causes = [r for r, (t, _, _) in errors.items() if t not in _FATAL[1:]]
-                first = min(causes or errors)
+            if errors:  # the cause before its consequences: a rank's own error or death, then the collective
+                # errors (diagnoses), then a backend's lost connection (the peer that raised closed it)
+                tiers = ([r for r, (t, m, _) in errors.items() if t not in _FATAL[1:] and not _peer_lost(t, m)],
+                         [r for r, (t, _, _) in errors.items() if t in _FATAL[1:]], list(errors))
+                first = min(next(tier for tier in tiers if tier))
                 exc_type, message, tb = errors[first]
                 summary = {r: (t, m) for r, (t, m, _) in sorted(errors.items())}
                 if pending:
