@@ -47,10 +47,11 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
         for sharded in sorted({c.tp_sharded for c in plan.chunks if c.requires_grad}):
             axes = (plan.data_axes if plan.effective_stage >= 1 else ()) + (tp_axes if sharded else ())
             size = int(np.prod([mesh_shape[a] for a in axes], dtype=np.int64)) if axes else 1
-            if size > 1:
+            if size > 1:  # one statistic in float32, or float64 for float64 gradients (optim.clip_grad_norm_)
+                stat = max([4] + [c.element_size for c in plan.chunks if c.requires_grad and c.tp_sharded == sharded])
                 key = ("+".join(axes), "all_reduce")
                 calls, total = out.setdefault(key, [0, 0.0])
-                out[key] = [calls + 1, total + float(ring_bytes("all_reduce", 4, size))]
+                out[key] = [calls + 1, total + float(ring_bytes("all_reduce", stat, size))]
     if n <= 1:
         return {k: (v[0], v[1]) for k, v in sorted(out.items())}
     axis = "+".join(plan.data_axes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Callable
@@ -78,7 +79,7 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
         norm_type: the p of the p-norm, > 0; ``float('inf')`` for the max norm.
 
     Returns:
-        The total norm before clipping, a 0-dim float32 tensor.
+        The total norm before clipping, a 0-dim tensor: float32, float64 for float64 gradients.
 
     Raises:
         TypeError: ``max_norm`` is not a number.
@@ -106,13 +107,17 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
         grads = zero.owned_grads(tp_sharded=sharded)
         if not grads:  # the same on every rank: chunk kinds do not depend on coordinates
             continue
+        # in float32, or float64 for float64 gradients (as torch's clip_grad_norm_ computes in their
+        # dtype); not in torch's default dtype, which float32 gradients of a float64 default left
+        # in float32 precision while the statistic went out as 8 bytes
+        acc = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()] or [torch.zeros(())]).max().float()
+            local = torch.stack([g.abs().max().to(acc) for g in grads if g.numel()] or [torch.zeros((), dtype=acc)]).max()
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros(()))
+            local = sum((g.to(acc).abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=acc))
             for prm in duplicates:  # counted on the stage that holds the first copy
                 if zero.param_chunk[id(prm)].plan.tp_sharded == sharded:
-                    local = local - zero.owned_grad_region(prm).float().abs().pow(norm_type).sum()
+                    local = local - zero.owned_grad_region(prm).to(acc).abs().pow(norm_type).sum()
         axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ()) + pp_axes
         # on the mesh's device for the collective (offloaded shards' gradients are in host memory)
         parts.append((local.reshape(1).to(zero.chunks[0].device, copy=True), axes))
@@ -120,7 +125,8 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
     for stat, axes in parts:
         if axes:
             raw_all_reduce(stat, zero.mesh, axes, op=op)
-    stats = [stat for stat, _ in parts] or [torch.zeros(1)]
+    acc = functools.reduce(torch.promote_types, (stat.dtype for stat, _ in parts), torch.float32)
+    stats = [stat.to(acc) for stat, _ in parts] or [torch.zeros(1)]
     if math.isinf(norm_type):
         total = torch.stack(stats).max()
     else:

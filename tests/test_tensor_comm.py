@@ -140,3 +140,34 @@ def test_sum_in_buckets_trains_like_one_process(stage):
     assert_equivalent(functools.partial(gpt_for_tests, CFG), {"dp": 2, "tp": 2}, SPECS, (x[:, :-1], x[:, 1:]), steps=2,
                       zero_stage=stage, sequence_parallel=True, accum_steps=2, chunk_size=200,
                       optimizer_kwargs={"lr": 1e-3})
+
+
+def _float64_clip_step():
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    smodel = shardlib.shard(model, mesh, zero_stage=2)
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1, max_grad_norm=1e-3)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mesh.comm.reset()
+    smodel(shardlib.distribute(x, mesh, smodel.batch_spec)).pow(2).mean().backward()
+    opt.step()
+    return mesh.comm.table(), smodel.plan.comm_per_step(clip=True), opt.last_grad_norm
+
+
+def test_float64_gradients_clip_with_a_float64_norm_as_counted():
+    """The norm statistic went out in torch's default dtype, and it was computed from float32
+    copies of the gradients: float64 gradients were clipped by a float32-precision norm, and
+    the plan counted 4 bytes where 8 went out (found by a new-user test). The statistic is now
+    float32, or float64 for float64 gradients: counted bytes equal the plan, and the norm equals
+    torch's clip_grad_norm_ on one process to float64 rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model(x).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    for measured, predicted, norm in run_on(2, _float64_clip_step):
+        assert measured == predicted and predicted[("dp", "all_reduce")] == (1, 8.0), (measured, predicted)
+        assert norm.dtype == torch.float64
+        # float64 sums in another order (two shards): measured 0 or a few ulps; float32 would be ~1e-8 off
+        assert abs(norm.item() - expected.item()) <= 1e-13 * expected.item(), (norm.item(), expected.item())
