@@ -203,6 +203,25 @@ def test_splits_too_short_for_seq_len_are_refused_before_the_mesh(tmp_path):
         setup(cfg, world_size=1)
 
 
+
+def test_val_fraction_is_checked_for_every_source_and_said_unused_with_the_embedded_one():
+    """data.val_fraction=1.5 (or 0) was refused for data.source='files' only, and with the
+    embedded corpus (the default source) it was accepted and ignored without a word (found by a
+    new-user test): it is now refused whatever the source, and a valid value or val_files set
+    with the embedded corpus (whose split is fixed) is logged as not used."""
+    from shardlib.train.batches import open_data
+
+    for bad in ("1.5", "0"):
+        with pytest.raises(ConfigError, match=rf"'data.val_fraction' must be in \(0, 1\), got {bad}"):
+            open_data(load_config(DEFAULT, [f"data.val_fraction={bad}"]).data, log=lambda *_: None)
+    said = []
+    open_data(load_config(DEFAULT, ["data.val_fraction=0.3", "data.val_files=['x.py']"]).data, log=said.append)
+    assert said == ["data: data.val_fraction=0.3, data.val_files=['x.py'] apply to data.source='files'; the embedded "
+                    "corpus holds out every 10th module of the standard library: not used"]
+    said.clear()
+    open_data(load_config(DEFAULT, []).data, log=said.append)
+    assert said == []
+
 def test_a_metrics_record_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     rec = lambda s: json.dumps(dict(step=s, loss=1.0, lr=0.1, grad_norm=None, tokens_per_s=1.0, mfu=None,
                                     peak_mem_mb=1.0, val_loss=None))

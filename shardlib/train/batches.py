@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import SCHEMA, Config, ConfigError
 from ..data import ByteCorpus, default_corpus, load_corpus
 
 __all__ = ["SOURCES", "TOKENIZERS", "open_data", "Batches"]
@@ -36,11 +36,20 @@ def open_data(data: Config, log=print):
 
     Raises:
         ConfigError: an unknown source or tokenizer, ``files`` not one existing path, a
-            ``val_fraction`` outside (0, 1); each naming the key.
+            ``val_fraction`` outside (0, 1) (any source); each naming the key. ``val_fraction`` or
+            ``val_files`` set with the embedded source are logged as not used (its split is fixed).
     """
     if data.tokenizer not in TOKENIZERS and not data.tokenizer.endswith(".json"):
         raise ConfigError(f"config key 'data.tokenizer' is {data.tokenizer!r}; give 'bytes' (vocabulary 256), 'bpe' "
                           f"(learned on the corpus, data.vocab_size tokens) or the path of a tokenizer.json")
+    if not 0.0 < data.val_fraction < 1.0:  # a bad value is refused whatever the source
+        raise ConfigError(f"config key 'data.val_fraction' must be in (0, 1), got {data.val_fraction}")
+    if data.source == "embedded":  # its split is fixed: say so rather than ignore a key set on purpose
+        unused = ([f"data.val_fraction={data.val_fraction!r}"] if data.val_fraction != SCHEMA["data"]["val_fraction"][1]
+                  else []) + ([f"data.val_files={list(data.val_files)!r}"] if data.val_files else [])
+        if unused:
+            log(f"data: {', '.join(unused)} apply to data.source='files'; the embedded corpus holds out every 10th "
+                "module of the standard library: not used")
     corpus = _bytes(data)
     if data.tokenizer == "bytes":
         return corpus
@@ -60,8 +69,6 @@ def _bytes(data: Config) -> ByteCorpus:
     if len(data.files) != 1:
         raise ConfigError(f"config key 'data.files' must name one text file or folder for data.source='files', got "
                           f"{list(data.files)}")
-    if not 0.0 < data.val_fraction < 1.0:
-        raise ConfigError(f"config key 'data.val_fraction' must be in (0, 1), got {data.val_fraction}")
     path = os.path.expanduser(str(data.files[0]))
     if not os.path.exists(path):
         raise ConfigError(f"config key 'data.files' names {path!r}, which does not exist")
