@@ -115,14 +115,28 @@ CASES = [
                                   "blocks.*.attn.o_proj.weight": P(None, "tp")}),
         ["in blocks.0.attn", "blocks.0.attn.k_proj is not column parallel over 'tp'",
          "while blocks.0.attn.q_proj, blocks.0.attn.v_proj are", "blocks.0.attn.o_proj is row parallel",
-         "must be split the same way", "Fix: give blocks.0.attn.k_proj.weight the same spec as blocks.0.attn.q_proj.weight"],
+         "must be column parallel on the same axis",
+         "Fix: if blocks.0.attn.k_proj reads the same input as blocks.0.attn.q_proj (q/k/v, gate/up), give "
+         "blocks.0.attn.k_proj.weight the same spec as blocks.0.attn.q_proj.weight"],
+    ),
+    (
+        # a flat nn.Sequential: no two layers read the same input, so the fix is to move the pair
+        # (the message claimed 0 read the same input as 2 and proposed its spec, which verify
+        # then refused; found by a new-user test)
+        "replicated-linear-beside-a-pair:sequential",
+        lambda: plan(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16),
+                                   nn.Linear(16, 4)), TP2, {"2.weight": P("tp", None), "4.weight": P(None, "tp")}),
+        ["in <root>, 0 is not column parallel over 'tp' while 2 is, and 4 is row parallel",
+         "a replicated Linear cannot share that module", "In an nn.Sequential no two layers read the same input",
+         "Fix: move 2 ... 4 (and what runs between them) into an nn.Sequential of their own, one child of <root>"],
     ),
     (
         "mismatched-qkv:other-axis",
         lambda: plan(gpt(), TP2_EP2, {"blocks.*.attn.[qv]_proj.weight": P("tp", None),
                                       "blocks.*.attn.k_proj.weight": P("ep", None),
                                       "blocks.*.attn.o_proj.weight": P(None, "tp")}),
-        ["blocks.0.attn.k_proj is not column parallel over 'tp'", "Fix: give blocks.0.attn.k_proj.weight"],
+        ["blocks.0.attn.k_proj is not column parallel over 'tp'", "give blocks.0.attn.k_proj.weight the same spec",
+         "move blocks.0.attn.q_proj, blocks.0.attn.v_proj and blocks.0.attn.o_proj into a module of their own"],
     ),
     (
         "norm-weight-split",

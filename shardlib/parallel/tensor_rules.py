@@ -246,12 +246,22 @@ def analyze_tensor_parallel(
                 if (isinstance(child, nn.Linear) or _is_conv1d(child)) and child_path not in {g.path for g in rows}:
                     col = next((g for g in cols if g.path == child_path), None)
                     if col is None or col.axis != rows[0].axis:
+                        others = ", ".join(g.path for g in cols if g.axis == rows[0].axis and g.path != child_path)
+                        head = (f"in {parent or '<root>'}, {child_path} is not column parallel over {rows[0].axis!r} while "
+                                f"{others} {'are' if ',' in others else 'is'}, and {rows[0].path} is row parallel "
+                                f"(mesh {mesh_shape}): every Linear of a module holding a row-parallel layer is part "
+                                "of its tensor-parallel block, so it must be column parallel on the same axis")
+                        pair = [g.path for g in cols + rows if g.axis == rows[0].axis]
+                        if isinstance(parent_mod, nn.Sequential):  # its children run one after the other
+                            raise ShardingError(
+                                f"{head}; a replicated Linear cannot share that module. In an nn.Sequential no two "
+                                f"layers read the same input, so {child_path} runs before or after the pair. Fix: move "
+                                f"{' ... '.join(pair)} (and what runs between them) into an nn.Sequential of their "
+                                f"own, one child of {parent or '<root>'}")
                         raise ShardingError(
-                            f"in {parent or '<root>'}, {child_path} is not column parallel over {rows[0].axis!r} while "
-                            f"{', '.join(g.path for g in cols if g.axis == rows[0].axis and g.path != child_path)} are, and "
-                            f"{rows[0].path} is row parallel (mesh {mesh_shape}): projections that "
-                            "read the same input (q/k/v, gate/up) must be split the same way. Fix: give "
-                            f"{child_path}.weight the same spec as {cols[0].path}.weight"
+                            f"{head}. Fix: if {child_path} reads the same input as {cols[0].path} (q/k/v, gate/up), "
+                            f"give {child_path}.weight the same spec as {cols[0].path}.weight; if it runs before or "
+                            f"after the pair, move {', '.join(pair[:-1])} and {pair[-1]} into a module of their own"
                         )
             head_dim, heads, kv_heads = _heads(parent_mod)
             n = mesh_shape[rows[0].axis]
