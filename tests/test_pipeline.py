@@ -265,3 +265,45 @@ def test_pipeline_equivalence_hypothesis(pp, microbatches, schedule, stage):
                 shardlib.parallel.schedules.build_schedule(schedule, pp, microbatches, 2)
             return
     _check({"pp": pp}, layers, options, rows=microbatches * 2)
+
+
+def _accumulated_grads(shape, options, calls):
+    """Full gradients after ``forward_backward`` on each batch of ``calls`` (``("sync" | "no_sync" |
+    "zero_grad", seed)``) with no optimizer step, float64, the tied GPT."""
+    import contextlib
+
+    mesh = shardlib.init_mesh(shape)
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16)).double(), mesh,
+                            **options)
+    for how, seed in calls:
+        b = torch.randint(0, 37, (8, 9), generator=torch.Generator().manual_seed(seed))
+        x, y = (shardlib.distribute(t, mesh, smodel.batch_spec) for t in (b[:, :-1], b[:, 1:]))
+        if how == "zero_grad":
+            smodel.zero_grad()
+        with smodel.no_sync() if how == "no_sync" else contextlib.nullcontext():
+            if "pp" in shape:
+                smodel.forward_backward(x, criterion=ce, labels=(y,))
+            else:
+                ce(smodel(x)[0], y).backward()
+    return shardlib.full_grads(smodel)
+
+
+@pytest.mark.parametrize("shape,options", [({"pp": 2}, {}), ({"pp": 2, "dp": 2}, {"zero_stage": 0}),
+                                           ({"pp": 2, "dp": 2}, {"zero_stage": 1})])
+def test_tied_gradients_accumulate_over_forward_backward_calls(shape, options):
+    """Two forward_backward calls without zero_grad accumulate, as two backward() calls do: at
+    ZeRO stage 0 the tied embedding / LM head held on both pp ranks got 2 g0 + g1 (each call's
+    sum over pp added the gradient the last call had summed again; 0.108 off; found by a
+    new-user test). Also with no_sync() around the first call, and with zero_grad between
+    them (g1 alone). Float64: the sums differ from one process only by rounding order."""
+    calls = {"sync": [("sync", 0), ("sync", 1)], "no_sync": [("no_sync", 0), ("sync", 1)],
+             "zero_grad": [("sync", 0), ("zero_grad", 1)]}
+    n = 1
+    for size in shape.values():
+        n *= size
+    for kind, seq in calls.items():
+        ref = run_on(1, _accumulated_grads, {"dp": 1}, {}, seq)[0]
+        got = run_on(n, _accumulated_grads, shape, dict(options, microbatches=2), seq)[0]
+        for name, want in ref.items():
+            assert torch.allclose(got[name], want, rtol=1e-10, atol=1e-13), (kind, name, (got[name] - want).abs().max())

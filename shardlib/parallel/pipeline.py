@@ -224,6 +224,9 @@ class PipelineRunner:
         self._programs: dict = {}  # (training, handshake) -> (this rank's actions, its program)
         self.shapes: dict = {}  # input signature -> {("in" | "out", stage): (shape, dtype)} of this rank's transfers
         self.transfers = Transfers(mesh, axis, self.fake, self.owners)
+        # stage 0: the tied gradients already summed over the pipeline, taken at the first backward
+        # after a sum (_tied_snapshot); None: not taken since the last sum (_sum_tied_grads)
+        self._tied_summed: dict | None = None
 
     def program(self, training: bool, handshake: bool) -> tuple:
         """``(actions, instructions)`` this rank executes for a step (built once per kind)."""
@@ -239,6 +242,15 @@ class PipelineRunner:
 
     # -- one step ------------------------------------------------------------------------------
     def run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool = True):
+        """One step (``forward_backward``, or ``evaluate`` with ``backward`` False): the losses
+        on the last stage's rank, else ``(None, None)``."""
+        try:
+            return self._run(x, criterion, labels, return_outputs, backward)
+        except BaseException:
+            self._tied_summed = None  # a step that raised: its gradients are abandoned
+            raise
+
+    def _run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool):
         m = self.m
         if x.shape[0] % m or any(y.shape[0] != x.shape[0] for y in labels):
             raise ShardingError(
@@ -300,6 +312,8 @@ class PipelineRunner:
         weights: dict[tuple[int, int], Any] = {}  # (stage, microbatch) -> its W's WeightPass, between I and W
         zero = self.smodel._zero
         reduce = zero.sync  # False inside an enclosing no_sync(): accumulate, reduce at a later step
+        if backward and self._tied_summed is None:  # the first backward since the last tied sum
+            self._tied_summed = self._tied_snapshot()
         # times are absolute perf_counter (CLOCK_MONOTONIC) values: comparable across the processes
         # of one machine, so timelines of all ranks share one axis
         with self.smodel.no_sync():
@@ -378,11 +392,44 @@ class PipelineRunner:
             return losses, (outs if return_outputs else None)
         return None, None
 
-    def _sum_tied_grads(self) -> None:
+    def _tied_snapshot(self) -> dict:
+        """``{name: (buffer, value)}`` of each tied gradient this rank holds that is not logically
+        zero, at ZeRO stage 0: there the unreduced buffer keeps its values across steps (they are
+        the parameters' ``.grad``), so a backward without ``zero_grad`` adds to a gradient already
+        summed over the pipeline. Taken before that backward, as the value then is (after any
+        clipping, scaling or zeroing since). Empty at stages 1-3 (a reduction restarts the
+        buffer; stage 1 keeps the reduced shard aside) and in the usual step after ``zero_grad``."""
         zero = self.smodel._zero
+        if zero.stage != 0:
+            return {}
+        out = {}
+        for name, prm, _, _ in self.tied:
+            if prm is None:
+                continue
+            chunk = zero.param_chunk[id(prm)]
+            own = prm.grad is None or prm.grad is zero._grad_views.get(id(prm))  # (else one assigned by hand)
+            if chunk.grad_full is None or (chunk.stale and id(prm) not in chunk.written and own):
+                continue  # logically zero
+            out[name] = (chunk.grad_full, zero.local_grad_view(prm).clone())
+        return out
+
+    def _sum_tied_grads(self) -> None:
+        """Sum each tied parameter's gradient over the pipeline ranks (the stages that hold a
+        copy; zeros from the others), in place. What was summed already (:meth:`_tied_snapshot`)
+        is taken out first and put back after: summed again, it counted once per copy (a second
+        forward_backward without zero_grad gave a tied embedding 2 g0 + g1 at stage 0)."""
+        zero = self.smodel._zero
+        summed, self._tied_summed = self._tied_summed or {}, None
         for name, prm, numel, dtype in self.tied:  # every pp rank, in one order; zeros where absent
             grad = zero.local_grad_view(prm) if prm is not None else torch.zeros(numel, dtype=dtype, device=self.mesh.device)
+            buffer, before = summed.get(name, (None, None))
+            if prm is None or zero.param_chunk[id(prm)].grad_full is not buffer:
+                before = None  # released since (zero_grad): none of it is in the buffer now
+            if before is not None:
+                grad.sub_(before)
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
+            if before is not None:
+                grad.add_(before)
 
 
 def _queue_output(outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -> None:
