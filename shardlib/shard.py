@@ -253,6 +253,24 @@ class PipelineModule(ShardedModule):
         model), the same on every rank: what a checkpoint load checks against."""
         return self.pipeline_plan.state_names
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One stage's forward, as the schedule calls it: ``forward(chunk, x)`` (the index of a
+        stage this rank holds, its input). A pipeline is not called like the module it shards:
+        each rank holds only some of its layers.
+
+        Raises:
+            TypeError: any other call (``smodel(x)``), naming :meth:`forward_backward` and
+                :meth:`evaluate`.
+        """
+        if len(args) != 2 or kwargs or not isinstance(args[0], int) or isinstance(args[0], bool):
+            raise TypeError(
+                f"{type(self).__name__}: a pipeline is not called like the module it shards: each of the "
+                f"{len(self.stage_layers)} pp ranks holds only its stages' layers (smodel.stage_layers), and a step runs "
+                "every stage's microbatches by a schedule. Fix: smodel.forward_backward(x, criterion=loss_fn, labels=(y,)) to train, "
+                "smodel.evaluate(x, criterion=loss_fn, labels=(y,)) for losses (or return_outputs=True for the outputs) "
+                "without gradients")
+        return super().forward(*args, **kwargs)
+
     def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):
         """Run one step's forwards and backwards over ``microbatches`` microbatches.
 

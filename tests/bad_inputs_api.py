@@ -448,8 +448,13 @@ def _cases() -> list[Case]:
     crit = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
     add(g, "forward_backward-rows-not-divisible", lambda e: e["pmodel"].forward_backward(e["x"][:3], criterion=crit, labels=(e["x"][:3],)), S,
         M("the local batch of 3 rows", "does not split into 2 equal microbatches"))
+    # (the message said "does not split into 2 equal microbatches. Fix: a local batch divisible by 2" of 4 rows)
     add(g, "forward_backward-labels-rows-differ", lambda e: e["pmodel"].forward_backward(e["x"], criterion=crit, labels=(e["x"][:2],)), S,
-        M("the local batch of 4 rows (labels [(2, 8)])"))
+        M("the labels have [2] rows (shapes [(2, 8)]), the local batch x 4 (shape (4, 8))", "give x and the labels the same rows"))
+    # (it raised "Stage.forward() missing 1 required positional argument: 'x'"; found by a new-user test)
+    add(g, "pipeline-called-as-a-module", lambda e: e["pmodel"](e["x"]), T,
+        M("PipelineModule: a pipeline is not called like the module it shards", "smodel.forward_backward(x, criterion=loss_fn",
+          "smodel.evaluate(x"))
     add(g, "forward_backward-no-criterion", lambda e: e["pmodel"].forward_backward(e["x"], labels=(e["x"],)), T,
         M("forward_backward: criterion must be a function (output, *labels) -> loss, got None", "every stage"))
     add(g, "forward_backward-labels-a-tensor", lambda e: e["pmodel"].forward_backward(e["x"], criterion=crit, labels=e["x"]), T,

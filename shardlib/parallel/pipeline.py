@@ -252,10 +252,17 @@ class PipelineRunner:
 
     def _run(self, x: torch.Tensor, criterion: Callable | None, labels: tuple, return_outputs: bool, backward: bool):
         m = self.m
-        if x.shape[0] % m or any(y.shape[0] != x.shape[0] for y in labels):
+        if any(y.shape[0] != x.shape[0] for y in labels):
             raise ShardingError(
-                f"forward_backward: the local batch of {x.shape[0]} rows (labels {[tuple(y.shape) for y in labels]}) "
-                f"does not split into {m} equal microbatches. Fix: a local batch divisible by {m}"
+                f"forward_backward: the labels have {[y.shape[0] for y in labels]} rows (shapes "
+                f"{[tuple(y.shape) for y in labels]}), the local batch x {x.shape[0]} (shape {tuple(x.shape)}): each "
+                f"microbatch takes the same rows of x and of every label. Fix: give x and the labels the same rows "
+                f"(shardlib.distribute each of them with smodel.batch_spec)"
+            )
+        if x.shape[0] % m:
+            raise ShardingError(
+                f"forward_backward: the local batch of {x.shape[0]} rows does not split into {m} equal microbatches. "
+                f"Fix: a local batch divisible by {m}"
             )
         plan = self.smodel.plan
         if plan.sequence_parallel:  # every rank, before any transfer (the split itself is on the first stage)
