@@ -188,7 +188,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``smodel`` is not a sharded module; ``max_grad_norm`` is not a number or
             None; ``offload`` is not a bool or None.
-        ValueError: ``max_grad_norm`` is 0, negative or NaN; no trainable parameters on this rank.
+        ValueError: ``max_grad_norm`` is 0, negative or NaN; no trainable parameters on this rank,
+            or (a pipeline, on every rank) on some pp rank while the others have some.
         shardlib.errors.NotElementwiseError: (a ``ShardingError`` and a ``TypeError``)
             ``optimizer_cls`` is not shown elementwise (Adafactor, LBFGS, SparseAdam, Muon, a
             per-tensor-norm optimizer of your own), or its ``step()`` requires a closure (LBFGS):
@@ -216,6 +217,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_elementwise(optimizer_cls, optimizer_kwargs)  # every rank alike, before anything moves
         self.smodel = smodel
         self._zero = smodel._zero
+        pplan = getattr(smodel, "pipeline_plan", None)
+        empty = [r for r, stage in enumerate(pplan.stages) if not any(c.requires_grad for c in stage.chunks)] if pplan else []
+        if empty and len(empty) < pplan.p:  # (the same on every rank: the plan holds every stage's)
+            held = {r: [list(pplan.stage_layers[s]) for s in pplan.rank_stages(r)] for r in empty}
+            raise ValueError(
+                f"ZeroOptimizer: pp rank{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of the pipeline on "
+                f"mesh {dict(pplan.mesh.shape)} hold{'' if len(empty) > 1 else 's'} no trainable parameter (stage "
+                f"layers: {held}), while the others do; an optimizer there would have nothing to update, and the "
+                "step's gradient-norm collectives would not pair up with the other ranks'. Fix: split_points= that "
+                "give every pp rank a layer with trainable parameters, or fewer pp ranks or virtual_stages")
         if not self._zero.optimizer_params():
             raise ValueError(
                 f"ZeroOptimizer: the sharded {type(smodel.module).__name__} has no trainable parameters on this rank "

@@ -307,3 +307,39 @@ def test_tied_gradients_accumulate_over_forward_backward_calls(shape, options):
         got = run_on(n, _accumulated_grads, shape, dict(options, microbatches=2), seq)[0]
         for name, want in ref.items():
             assert torch.allclose(got[name], want, rtol=1e-10, atol=1e-13), (kind, name, (got[name] - want).abs().max())
+
+
+
+class FrozenConstant(torch.nn.Module):
+    """A layer whose output depends on neither its input nor a trainable parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+
+    def forward(self, x):
+        return self.c.expand(x.shape[0], 8).contiguous()
+
+
+def _optimizer_on_a_rank_without_trainable_parameters():
+    mesh = shardlib.init_mesh({"pp": 3})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), FrozenConstant(),
+                                torch.nn.Linear(8, 8))
+    smodel = shardlib.shard(model, mesh, schedule="1f1b", microbatches=3, split_points=["3", "4"])
+    try:
+        shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_an_optimizer_over_a_pipeline_with_a_rank_without_trainable_parameters_is_refused_on_every_rank():
+    """A partition may leave a pp rank without a trainable parameter (forward_backward works:
+    test_zero_bubble.test_sequential_stages_that_broke). ZeroOptimizer raised on that rank alone,
+    and the others went on into the step until the launcher stopped them (found by a new-user
+    test); every rank now raises the same error, naming the rank, its layers and the fixes."""
+    said = run_on(3, _optimizer_on_a_rank_without_trainable_parameters)
+    assert said[0] == said[1] == said[2], said
+    assert "pp rank 1 of the pipeline on mesh {'pp': 3} holds no trainable parameter (stage layers: {1: [['3']]})" in said[0]
+    assert "Fix: split_points= that give every pp rank a layer with trainable parameters" in said[0]
