@@ -460,6 +460,16 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     compute = opts.param_dtype or next((p.dtype for p in param_plans), torch.float32)
     shape = activation_shape(whole_model, [n for pp in param_plans for n in (pp.name,) + pp.aliases], blocks,
                              compute.itemsize)
+    recompute = resolve_activation_checkpointing(model, options.get("activation_checkpointing"))
+    if opts.offload_ratio and any(mode == "selective" for _, mode in recompute):
+        import warnings
+
+        warnings.warn(
+            "offload_ratio with activation_checkpointing 'selective': the matrix multiplications' outputs that "
+            "selective recompute keeps are held by torch's checkpoint cache (create_selective_checkpoint_contexts), "
+            "which the activation offload's saved-tensor hooks do not see: they stay on the device and are not in "
+            "smodel.activation_offload.stats; the offload moves the rest (the blocks' inputs and what lies outside "
+            "the recomputed blocks)", UserWarning, stacklevel=3)
     return Plan(
         activation_shape=shape,
         mesh_shape=tuple(mesh_shape.items()),
@@ -483,7 +493,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         offload_ratio=opts.offload_ratio,
         offload_param_frac=opts.offload_param_frac,
         optimizer_offload=bool(options.get("optimizer_offload", False)),
-        activation_checkpointing=resolve_activation_checkpointing(model, options.get("activation_checkpointing")),
+        activation_checkpointing=recompute,
         verify=bool(options.get("verify", True)),
         verify_input=options.get("verify_input"),
         mesh=mesh,
