@@ -18,8 +18,8 @@ that same backward way and frees none: they are freed once their gradients are c
 A parameter read outside its own module's forward (a parent reading a child's parameter, as a
 tied head ``h @ self.emb.weight.t()`` does, or a ``ParameterList`` entry) is gathered on access
 (:meth:`ParameterGathering._on_access`): inside the sharded module's forward the forward way
-(every chunk up to its own, ascending; kept until the forward ends), inside backward the
-backward way; a chunk in flight is waited for first. Every rank runs the same code, so these
+(every chunk up to its own, ascending; with gradients on, kept until its gradients are done,
+as a tied chunk), inside backward the backward way; a chunk in flight is waited for first. Every rank runs the same code, so these
 gathers pair up like the hooks' own. Outside forward and backward the read still raises.
 
 :class:`ParameterGathering` is a mixin of :class:`~shardlib.parallel.zero.ZeroRuntime`; it
