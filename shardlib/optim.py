@@ -99,18 +99,24 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
             "not the global one. Run the last micro-batch's backward outside no_sync(), then clip"
         )
     _refuse_unended_backward(zero, "clip_grad_norm_()")
-    tp_axes = tuple(sorted({layer.axis for layer in smodel.plan.tp_layers}))
+    # which kinds of chunk (tensor-sharded or not) hold trainable parameters, and their dtypes, from
+    # the plan of every stage: the same on every rank (a pipeline stage may hold only one kind and
+    # still joins the other's all-reduce with a zero, or the ranks' collectives would differ)
+    pplan = getattr(smodel, "pipeline_plan", None)
+    planned = [c for stage in pplan.stages for c in stage.chunks] if pplan is not None else list(smodel.plan.chunks)
+    tp_axes = tuple(sorted({layer.axis for layer in (pplan.whole if pplan is not None else smodel.plan).tp_layers}))
     pp_axes = (smodel.pp_axis,) if getattr(smodel, "pp_axis", None) else ()
     duplicates = getattr(smodel, "norm_duplicates", [])
     parts = []  # (local statistic, axes to reduce it over)
     for sharded in (False, True):
-        grads = zero.owned_grads(tp_sharded=sharded)
-        if not grads:  # the same on every rank: chunk kinds do not depend on coordinates
+        kinds = [c for c in planned if c.requires_grad and c.tp_sharded == sharded]
+        if not kinds:
             continue
+        grads = zero.owned_grads(tp_sharded=sharded)  # (none on a stage that holds none of this kind)
         # in float32, or float64 for float64 gradients (as torch's clip_grad_norm_ computes in their
         # dtype); not in torch's default dtype, which float32 gradients of a float64 default left
         # in float32 precision while the statistic went out as 8 bytes
-        acc = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+        acc = functools.reduce(torch.promote_types, (c.dtype for c in kinds), torch.float32)
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max().to(acc) for g in grads if g.numel()] or [torch.zeros((), dtype=acc)]).max()
         else:
@@ -120,7 +126,7 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
                     local = local - zero.owned_grad_region(prm).to(acc).abs().pow(norm_type).sum()
         axes = (() if zero.grads_replicated() else tuple(zero.axes)) + (tp_axes if sharded else ()) + pp_axes
         # on the mesh's device for the collective (offloaded shards' gradients are in host memory)
-        parts.append((local.reshape(1).to(zero.chunks[0].device, copy=True), axes))
+        parts.append((local.reshape(1).to(zero.mesh.device, copy=True), axes))
     op = "max" if math.isinf(norm_type) else "sum"
     for stat, axes in parts:
         if axes:

@@ -343,3 +343,49 @@ def test_an_optimizer_over_a_pipeline_with_a_rank_without_trainable_parameters_i
     assert said[0] == said[1] == said[2], said
     assert "pp rank 1 of the pipeline on mesh {'pp': 3} holds no trainable parameter (stage layers: {1: [['3']]})" in said[0]
     assert "Fix: split_points= that give every pp rank a layer with trainable parameters" in said[0]
+
+
+class _BiasFreeBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _bias_free_pipeline():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), _BiasFreeBlock(), _BiasFreeBlock()).double()
+
+
+def _clipped_step_on_pp_x_tp():
+    mesh = shardlib.init_mesh({"pp": 2, "tp": 2})
+    specs = {"*.up.weight": shardlib.P("tp", None), "*.down.weight": shardlib.P(None, "tp")}
+    smodel = shardlib.shard(_bias_free_pipeline(), mesh, specs, microbatches=2, split_points=["2"])
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1, max_grad_norm=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
+    smodel.forward_backward(x, criterion=torch.nn.functional.mse_loss, labels=(y,))
+    opt.step()
+    return opt.last_grad_norm, shardlib.full_state_dict(smodel)
+
+
+def test_clipping_on_a_pipeline_whose_stage_holds_only_tensor_sharded_parameters():
+    """pp=2 x tp=2 where the second stage holds only tensor-parallel weights (bias-free blocks):
+    the norm's all-reduce of the replicated kind was issued by the first stage's ranks only, a
+    CollectiveMismatchError after the watchdog's 30 s (found while checking a new-user finding).
+    The kinds now come from every stage's plan, the same on every rank; the norm and the clipped
+    step equal one process (float64)."""
+    results = run_on(4, _clipped_step_on_pp_x_tp)
+    model = _bias_free_pipeline()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for got_norm, state in results:
+        assert got_norm.item() == pytest.approx(norm.item(), rel=1e-12)
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(state[name], want, rtol=1e-12, atol=1e-14, msg=name)
