@@ -250,8 +250,8 @@ def _block_moments(plan, shape: ActivationShape, modes: list, kept: dict, full_b
     ``i`` kept, block ``i``'s rebuilt activations, the other microbatches in flight (whole), and
     the gradients of the chunks whose units run after block ``i``: at stages 0-1 their unreduced
     buffers and block ``i``'s own (allocated whole at its first gradient), at stages 2-3 their
-    reduced shards plus the unreduced buffer of the last one packed (in flight); the tied chunk's buffer counts from the
-    head's backward on."""
+    reduced shards plus the unreduced buffer of the last one packed (in flight); the tied
+    chunk's buffer counts from the head's backward on."""
     order = {u: i for i, u in enumerate(dict.fromkeys(p.unit for p in plan.params))}
     trainable = [c for c in plan.chunks if c.requires_grad]
     first = [min((order.get(u, 0) for u in c.units), default=0) for c in trainable]

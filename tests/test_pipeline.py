@@ -12,6 +12,7 @@ import shardlib.parallel.schedules
 from shardlib.errors import ShardingError, WorkerError
 from shardlib.models import GPT, GPTConfig
 from shardlib.testing import default_tolerances, run_on
+from shardlib.testing.models import FrozenConstant
 from shardlib.testing.tolerance import ReferenceRun, compare_records, reference_with_bands
 
 pytestmark = pytest.mark.multiprocess
@@ -308,17 +309,6 @@ def test_tied_gradients_accumulate_over_forward_backward_calls(shape, options):
         for name, want in ref.items():
             assert torch.allclose(got[name], want, rtol=1e-10, atol=1e-13), (kind, name, (got[name] - want).abs().max())
 
-
-
-class FrozenConstant(torch.nn.Module):
-    """A layer whose output depends on neither its input nor a trainable parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.c = torch.nn.Parameter(torch.randn(8), requires_grad=False)
-
-    def forward(self, x):
-        return self.c.expand(x.shape[0], 8).contiguous()
 
 
 def _optimizer_on_a_rank_without_trainable_parameters():

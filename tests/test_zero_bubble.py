@@ -16,6 +16,7 @@ import shardlib
 from shardlib.models import GPT, gpt_preset
 from shardlib.parallel.split_backward import backward_input
 from shardlib.testing import run_on
+from shardlib.testing.models import FrozenConstant
 from test_pipeline import _batches, _check, _config, ce
 
 pytestmark = pytest.mark.multiprocess
@@ -239,17 +240,6 @@ def test_zero_bubble_plan_refusals():
     shardlib.plan(GPT(_config(6)), mesh, schedule="1f1b", microbatches=4, activation_checkpointing="selective")
 
 
-class _FrozenConstant(torch.nn.Module):
-    """A layer whose output depends on neither its input nor a trainable parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.c = torch.nn.Parameter(torch.randn(8), requires_grad=False)
-
-    def forward(self, x):
-        return self.c.expand(x.shape[0], 8).contiguous()
-
-
 def _sequential(kind):
     from torch import nn
 
@@ -259,7 +249,7 @@ def _sequential(kind):
     if kind == "repeated":  # a Linear and a Tanh each at two positions (tied across stages)
         lin, act = nn.Linear(8, 8), nn.Tanh()
         return nn.Sequential(lin, act, nn.Linear(8, 8), act, lin, nn.Tanh(), nn.Linear(8, 8))
-    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _FrozenConstant(), nn.Linear(8, 8), nn.Tanh(),
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), FrozenConstant(), nn.Linear(8, 8), nn.Tanh(),
                          nn.Linear(8, 8))
 
 

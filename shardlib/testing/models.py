@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TiedLM", "gpt_for_tests"]
+__all__ = ["FrozenConstant", "TiedLM", "gpt_for_tests"]
 
 
 class TiedLM(nn.Module):
@@ -61,3 +61,15 @@ def gpt_for_tests(config):
         if block.attn.k_proj.bias is not None:
             block.attn.k_proj.bias.requires_grad_(False)
     return model
+
+
+class FrozenConstant(nn.Module):
+    """A layer whose output ``(rows, width)`` depends on neither its input nor a trainable
+    parameter (a pipeline stage of it alone has nothing to train and sends no gradient on)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.c = nn.Parameter(torch.randn(width), requires_grad=False)
+
+    def forward(self, x):
+        return self.c.expand(x.shape[0], self.c.numel()).contiguous()
