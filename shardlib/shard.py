@@ -15,6 +15,7 @@ from .parallel.offload import ActivationOffload, current_activation_offload
 from .parallel.recompute import apply_activation_checkpointing
 from .parallel.zero import ZeroRuntime
 from .random import mesh_independent_dropout
+from .local_batch import check_local_batch
 from .lowering import refuse_lowered, register_lowering
 from .errors import ShardingError
 from .mesh.checks import check_on_device
@@ -89,8 +90,9 @@ class ShardedModule(nn.Module):
         Ranks that differ only along the tensor-parallel axes (``tp``) must pass the same batch: their
         partial results are summed as parts of one computation (Megatron's rule; a sampler over
         the whole world instead of the data axes breaks it silently). Check mode
-        (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests) checks both on the first tensor
-        argument, with one small all-reduce each (not counted in ``mesh.comm``).
+        (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests) checks the rows of the first tensor
+        argument and the values of every tensor argument (labels too), with one small all-reduce
+        each (not counted in ``mesh.comm``).
 
         Raises:
             ShardingError: in check mode, on every rank of the group concerned: a training
@@ -99,10 +101,9 @@ class ShardedModule(nn.Module):
                 (a position-weighted checksum) across the tensor-parallel axes.
         """
         zero = self._zero
-        if self.plan.mesh.trace.check and not torch.compiler.is_compiling():  # a host read: no graph break
-            # a pipeline under sequence parallelism hands each tp rank its own sequence shard
-            same = not (isinstance(self, PipelineModule) and self.plan.sequence_parallel)
-            _check_local_batch(self.plan, args, kwargs, self.training and torch.is_grad_enabled(), same)
+        # check mode; a pipeline's step checks its local batch and labels on every rank (forward_backward)
+        if self.plan.mesh.trace.check and not torch.compiler.is_compiling() and not isinstance(self, PipelineModule):
+            check_local_batch(self.plan, args, kwargs, self.training and torch.is_grad_enabled())
         if self.plan.param_dtype is not None:  # FSDP2's cast_forward_inputs
             args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
         zero.root_pre_forward()
@@ -293,9 +294,14 @@ class PipelineModule(ShardedModule):
                 tuple or list of tensors.
             ShardingError: a local batch not divisible by the microbatch count, or under
                 sequence parallelism a sequence length not divisible by the tensor axis (on every
-                rank, before any communication).
+                rank, before any communication). In check mode (``SHARDLIB_CHECK_COLLECTIVES=1``),
+                on every rank before the first transfer: local batches with different row counts
+                across the data axes, or ``x`` or ``labels`` differing across the tensor axes (as
+                :meth:`ShardedModule.forward`).
         """
         _check_step_args("forward_backward", x, criterion, labels)
+        if self.mesh.trace.check:  # every rank, before the schedule's first transfer
+            check_local_batch(self.plan, (), {"x": x, "labels": tuple(labels)}, True, "forward_backward")
         return self.runner.run(x, criterion, tuple(labels), return_outputs)
 
     def explain(self, tokens: int | None = None) -> str:
@@ -325,6 +331,8 @@ class PipelineModule(ShardedModule):
         """Forwards only (no gradients, no optimizer state touched): ``(losses, outputs)`` on the
         last stage as :meth:`forward_backward`, ``(None, None)`` elsewhere; the same checks."""
         _check_step_args("evaluate", x, criterion, labels)
+        if self.mesh.trace.check:  # every rank, before the schedule's first transfer
+            check_local_batch(self.plan, (), {"x": x, "labels": tuple(labels)}, False, "evaluate")
         return self.runner.run(x, criterion, tuple(labels), return_outputs, backward=False)
 
     @property
@@ -435,59 +443,6 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     import optree
 
     return optree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
-def _check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, same: bool) -> None:
-    """Check mode (see :meth:`ShardedModule.forward`): the first tensor argument of at least one
-    dimension has as many rows on every data rank (a training forward), and is the same on every
-    rank of the tensor-parallel axes of size > 1 (not ``pp``: stages take different inputs; a
-    checksum weighted by position, in float64, NaN and infinities as 0 and +-1: the same arithmetic
-    on every rank, so equal inputs give equal sums). One all-reduce (max of ``v`` and ``-v``) for
-    each, not counted. Nothing on a dry run (meta tensors, a fake group); not the
-    batch's values when ``same`` is False (a pipeline stage under sequence parallelism).
-
-    Raises:
-        ShardingError: on every rank of the group, naming the axes, the sizes or the checksums."""
-    import optree
-
-    from .mesh.raw import raw_all_reduce
-
-    mesh = plan.mesh
-    first = next((t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    if getattr(mesh, "fake", False) or (first is not None and first.is_meta):  # a dry run: no values to compare
-        return
-
-    def spread(value: float, axes: tuple, what: str) -> tuple[float, float]:
-        both = torch.tensor([value, -value], dtype=torch.float64, device=mesh.device)
-        raw_all_reduce(both, mesh, axes, op="max", record=False, note=f"check: {what}")
-        most, least = both.tolist()
-        return -least, most
-
-    if training and plan.data_size > 1:
-        rows = -1 if first is None else first.shape[0]
-        least, most = spread(rows, plan.data_axes, "local batch rows")
-        if most != least:
-            raise ShardingError(
-                f"forward: the local batch has {rows} row{'' if rows == 1 else 's'} on this rank, and between "
-                f"{int(least)} and {int(most)} across the data axes {plan.data_axes} (mesh {dict(mesh.shape)}): the "
-                "gradient, reduced as the mean of the ranks' gradients, would not be the global batch's (the rows of a "
-                "shorter batch weigh more). Fix: give every data rank as many rows (drop_last=True in a DataLoader, or "
-                "shardlib.distribute() of one global batch that divides evenly) (SHARDLIB_CHECK_COLLECTIVES=1 made "
-                "this check)")
-    others = tuple(a for a in mesh.axis_names if a in {l.axis for l in plan.tp_layers} and mesh.size(a) > 1)
-    if same and others and first is not None:
-        flat = torch.nan_to_num(first.detach().reshape(-1).to(torch.float64), nan=0.0, posinf=1.0, neginf=-1.0)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        total = float((flat * weights).sum()) if flat.numel() else 0.0
-        least, most = spread(total, others, "the same batch")
-        if most != least:
-            raise ShardingError(
-                f"forward: the batch differs across the axes {others} (mesh {dict(mesh.shape)}): its checksum is "
-                f"{total!r} on this rank, between {least!r} and {most!r} on the group. Ranks that differ only along "
-                f"{others} compute parts of one result from the same batch, so each would train on a mix of the "
-                f"batches. Fix: split the data over the data axes {plan.data_axes} only (shardlib.distribute(batch, "
-                "mesh, smodel.batch_spec), or a sampler over the data ranks, not the whole world) "
-                "(SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
 
 
 # the full-state views of a sharded module live in shardlib/full_state.py (re-exported here)

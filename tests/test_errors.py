@@ -543,6 +543,101 @@ def test_check_mode_refuses_different_batches_on_tensor_parallel_ranks():
         assert "forward: the batch differs across the axes ('tp',) (mesh {'tp': 2})" in message, message
 
 
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _LinearWithLoss(_Mlp):
+    """A tensor-parallel pair whose forward takes its target too (as Hugging Face models take labels)."""
+
+    def forward(self, x, target=None, extra=()):
+        out = super().forward(x)
+        return out if target is None else torch.nn.functional.mse_loss(out, target)
+
+
+def _different_targets_on_tp_ranks(case):
+    import shardlib
+    from shardlib import P
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_LinearWithLoss(), mesh,
+                            {"up.weight": P("tp", None), "up.bias": P("tp"), "down.weight": P(None, "tp")})
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    smodel(x, target=y.clone()).backward()  # the same batch and target: accepted
+    mine = y + 1 if mesh.rank else y
+    try:
+        if case == "keyword":
+            smodel(x, target=mine).backward()
+        elif case == "positional":
+            smodel(x, mine).backward()
+        elif case == "ninth":  # past the arguments compared one by one
+            smodel(x, y, extra=[y] * 8 + [mine]).backward()
+        else:  # one more tensor argument on rank 1
+            smodel(x, y, extra=[y] if mesh.rank else []).backward()
+    except ShardingError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["keyword", "positional", "ninth", "count"])
+def test_check_mode_refuses_different_targets_on_tensor_parallel_ranks(case):
+    """Check mode compared the first tensor argument only: tp ranks given the same inputs and
+    different labels (a keyword argument, as Hugging Face models take them) each trained on its
+    own loss, silently."""
+    named = {"keyword": "target: its checksum is", "positional": "args[1]: its checksum is",
+             "ninth": "extra", "count": "the number of tensor arguments: 2 on this rank"}[case]
+    messages = run_on(2, _different_targets_on_tp_ranks, case)
+    for message in messages:
+        assert "forward: the batch differs across the axes ('tp',) (mesh {'tp': 2})" in message, message
+    assert named in messages[0], messages[0]
+
+
+def _pipeline_given_different_batches(case):
+    import shardlib
+    from shardlib import P
+
+    if case == "rows":
+        mesh, specs = shardlib.init_mesh({"pp": 2, "dp": 2}), None
+    else:
+        mesh = shardlib.init_mesh({"pp": 2, "tp": 2})
+        specs = {"*.up.weight": P("tp", None), "*.up.bias": P("tp"), "*.down.weight": P(None, "tp")}
+    torch.manual_seed(0)
+    smodel = shardlib.shard(torch.nn.Sequential(_Mlp(), _Mlp()), mesh, specs, microbatches=2,
+                            split_points=["1"])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    other = mesh.index(("dp",) if case == "rows" else ("tp",)) == 1
+    if case == "rows":  # dp rank 1 has 2 rows (still divisible into the 2 microbatches)
+        x, y = (x[:2], y[:2]) if other else (x, y)
+    else:  # the same inputs, other labels on tp rank 1
+        y = y + 1 if other else y
+    try:
+        smodel.forward_backward(x, criterion=torch.nn.functional.mse_loss, labels=(y,))
+    except ShardingError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["rows", "labels"])
+def test_check_mode_refuses_different_batches_on_every_pipeline_rank(case):
+    """A pipeline's tp ranks given other labels trained on different losses silently (the
+    check looked at each stage's forward input only, and the labels reach only the criterion);
+    unequal rows across dp were refused on the first stage only, so the last stage waited in
+    its receive until the watchdog. Both are now refused on every rank before any transfer."""
+    want = {"rows": "forward_backward: the local batch has", "labels": "forward_backward: the batch differs across "
+            "the axes ('tp',) (mesh {'pp': 2, 'tp': 2}): labels[0]: its checksum is"}[case]
+    for message in run_on(4, _pipeline_given_different_batches, case):
+        assert want in message, message
+
+
 def _diagnosis_and_lost_peer(order):
     import torch.distributed as dist
 
