@@ -28,7 +28,7 @@ from .pipeline_plan import PipelinePlan, check_no_pipeline_options, pipeline_axi
 from .chunking import ChunkSearch, param_units, search_chunk_size
 from .plan_bytes import PlanBytes
 from .plan_items import ChunkPlan, ParamPlan, pack_chunks, plan_entries
-from .parallel.recompute import find_blocks, resolve_activation_checkpointing
+from .parallel.recompute import find_blocks, resolve_activation_checkpointing, warn_selective_offload
 from .parallel.tensor_rules import (TPLayer, analyze_tensor_parallel, sequence_parallel_layout, split_region_params,
                                     tensor_split, with_sum_globs)
 from .spec import PartitionSpec, resolve_specs
@@ -339,6 +339,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     mesh_shape = dict(mesh.shape)
     units, blocks = options.pop("_chunk_units", None) or (None, None)  # a pipeline stage: the whole model's (plan_pipeline)
     whole_model = options.pop("_whole_model", model)  # (a pipeline stage's: the model it was cut from)
+    whole_sums = options.pop("_sum_grads", None)  # a pipeline stage: the whole model's partial-sum parameters
     opts = check_options(options, mesh_shape)
     data_axes, chunk_size, optimizer_states = opts.data_axes, opts.chunk_size, opts.optimizer_states
 
@@ -422,6 +423,9 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         if sequence_parallel else ("", "", split_region_params(model, tp_layers))
     )
     sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
+    if whole_sums is not None:  # a stage's containers are not the model's (split_region_params reads ModuleLists)
+        held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        sp_grad_params = tuple(n for n in whole_sums if n in held)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
     if units is None:
         blocks = find_blocks(model)
@@ -461,15 +465,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     shape = activation_shape(whole_model, [n for pp in param_plans for n in (pp.name,) + pp.aliases], blocks,
                              compute.itemsize)
     recompute = resolve_activation_checkpointing(model, options.get("activation_checkpointing"))
-    if opts.offload_ratio and any(mode == "selective" for _, mode in recompute):
-        import warnings
-
-        warnings.warn(
-            "offload_ratio with activation_checkpointing 'selective': the matrix multiplications' outputs that "
-            "selective recompute keeps are held by torch's checkpoint cache (create_selective_checkpoint_contexts), "
-            "which the activation offload's saved-tensor hooks do not see: they stay on the device and are not in "
-            "smodel.activation_offload.stats; the offload moves the rest (the blocks' inputs and what lies outside "
-            "the recomputed blocks)", UserWarning, stacklevel=3)
+    warn_selective_offload(recompute, opts.offload_ratio)
     return Plan(
         activation_shape=shape,
         mesh_shape=tuple(mesh_shape.items()),

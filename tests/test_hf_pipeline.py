@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import shardlib
 from shardlib.errors import ShardingError
 from shardlib.mesh import AbstractMesh
-from shardlib.models import llama_preset
+from shardlib.models import hf_preset, llama_preset
 from shardlib.models.hf import hf_pipeline_layers
 from shardlib.testing import assert_equivalent
 
@@ -242,6 +242,30 @@ def test_llama_pp2_x_tp2_with_llama_preset():
     report = _equivalent(make_llama, {"pp": 2, "tp": 2}, llama_preset().specs, schedule="1f1b", microbatches=4)
     kinds = {p.strategy.split("+")[0] for st in report["plan"].stages for p in st.params}
     assert {"column", "row", "vocab"} <= kinds
+
+
+@pytest.mark.multiprocess
+def test_opt_pp2_x_tp2_with_hf_preset():
+    """OPT's MLP projections sit directly in its decoder layer. Each stage found the partial-sum
+    parameters (split_region_params) on its own containers, which are not the model's
+    ModuleLists, so every layer norm of a decoder layer was summed over tp: their gradients were
+    exactly doubled, silently (a new user's finding; pp and tp alone were exact). Each stage now
+    takes the whole model's."""
+    preset = hf_preset(make_opt())
+    report = _equivalent(make_opt, {"pp": 2, "tp": 2}, preset.specs, schedule="1f1b", microbatches=2, **preset.options)
+    whole = report["plan"].whole
+    assert not any("norm" in n for n in whole.sp_grad_params), whole.sp_grad_params
+    for stage in report["plan"].stages:
+        assert set(stage.sp_grad_params) <= set(whole.sp_grad_params)
+
+
+def test_a_tp_sum_grads_glob_matching_one_stage_only_is_planned():
+    """A tp_sum_grads glob names parameters of the whole model: a stage without a match takes none
+    (each stage's own plan refused the glob as matching nothing)."""
+    specs = dict(llama_preset().specs)
+    pplan = shardlib.plan(make_llama(), AbstractMesh({"pp": 2, "tp": 2}), specs, microbatches=2,
+                          tp_sum_grads=["model.layers.3.post_attention_layernorm.weight"])
+    assert [st.sp_grad_params for st in pplan.stages] == [(), ("model.layers.3.post_attention_layernorm.weight",)]
 
 
 @pytest.mark.multiprocess

@@ -294,3 +294,17 @@ def apply_activation_checkpointing(root: nn.Module, choices: tuple[tuple[str, st
         module.forward = _checkpointed(module, path, mode, zero)
         installed.append(path)
     return installed
+
+
+def warn_selective_offload(recompute: tuple[tuple[str, str], ...], offload_ratio: float) -> None:
+    """Warn (``UserWarning``) when activation offload meets selective recompute: the kept matmul
+    outputs stay on the device (see the message)."""
+    if offload_ratio and any(mode == "selective" for _, mode in recompute):
+        import warnings
+
+        warnings.warn(
+            "offload_ratio with activation_checkpointing 'selective': the matrix multiplications' outputs that "
+            "selective recompute keeps are held by torch's checkpoint cache (create_selective_checkpoint_contexts), "
+            "which the activation offload's saved-tensor hooks do not see: they stay on the device and are not in "
+            "smodel.activation_offload.stats; the offload moves the rest (the blocks' inputs and what lies outside "
+            "the recomputed blocks)", UserWarning, stacklevel=4)
