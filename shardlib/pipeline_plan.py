@@ -41,6 +41,7 @@ from .parallel.pipeline import Stage, partition
 from .parallel.recompute import find_blocks, stage_choice
 from .parallel.schedule_theory import schedule_bubble_fraction
 from .parallel.schedules import Simulation, build_schedule, default_virtual_stages, placement, simulate, splits_backward
+from .stage_layout import check_stage_layout, sequence_parallel_per_rank
 from .state_names import model_state_names
 
 if TYPE_CHECKING:
@@ -350,7 +351,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     at = {s: (r, c) for r in range(p) for c, s in enumerate(rank_stages(r, p, v, where))}
     layers = tuple(tuple(modules[at[s][0]].chunk_layers[at[s][1]]) for s in range(p * v))
     sizes = tuple(modules[at[s][0]].chunk_bytes[at[s][1]] for s in range(p * v))
-    sp_fields = _sequence_parallel_per_rank(whole, modules, mesh, axis, at) if whole.sequence_parallel else None
+    sp_fields = sequence_parallel_per_rank(whole, modules, mesh, axis, at) if whole.sequence_parallel else None
 
     # the whole model's decision per parameter, under every name: a tied tensor keeps one layout
     # even on a stage that holds it under its other name (lm_head.weight for wte.weight)
@@ -377,6 +378,7 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
         # seen from the rank at pp index r with this rank's other coordinates (this mesh for our own stage)
         view = mesh if r == mesh.index(axis) else AbstractMesh(mesh.shape, rank=mesh.axis_ranks(axis)[r])
         stage_plan = plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options)
+        check_stage_layout(whole, stage_plan, stage, r)
         stages.append(dataclasses.replace(stage_plan, **sp_fields[r]) if sp_fields else stage_plan)
     return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
                         stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
@@ -423,67 +425,3 @@ def _activation_width(model: torch.nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def _sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, axis: str, at: dict) -> list[dict]:
-    """Each pp rank's share of the whole model's sequence-parallel layout, checked exact.
-
-    Returns, per pp rank, the plan fields: ``sp_entry`` (the whole model's on the first stage's
-    rank, else None: the stage's input arrives as the sequence shard), ``sp_exit`` (on the last
-    stage's rank), ``sp_grad_params`` (the rank's norm weights and row biases).
-    """
-    p = len(modules)
-    n_stages = p * len(modules[0].chunk_paths)
-    mesh_shape = dict(mesh.shape)
-
-    def stage_of(path: str) -> int | None:
-        for s in range(n_stages):
-            if any(path == root or path.startswith(root + ".") for root in modules[at[s][0]].chunk_paths[at[s][1]]):
-                return s
-        return None
-
-    def where(s: int | None) -> str:
-        return "in no stage" if s is None else f"on stage {s} (layers {modules[at[s][0]].chunk_layers[at[s][1]]})"
-
-    given = f"sequence_parallel=True on the pipeline mesh {mesh_shape} ({n_stages} stages over {axis!r})"
-    entry = stage_of(whole.sp_entry)
-    if entry != 0:
-        raise ShardingError(
-            f"{given}: the sequence-parallel entry {whole.sp_entry!r} is {where(entry)}, not on stage 0; the stages "
-            "before it would run norms and dropouts as if on sequence shards. Fix: sp_entry= a module of the first stage "
-            f"({modules[0].chunk_layers[0]}), or split_points= that put {whole.sp_entry!r} in stage 0"
-        )
-    outputs = [layer.path for layer in whole.tp_layers if layer.output_layer] + ([whole.sp_exit] if whole.sp_exit else [])
-    if not outputs:
-        raise ShardingError(
-            f"{given}: nothing gathers the sequence at the end (no column-parallel output layer and no sp_exit), so the last "
-            "stage would return a sequence shard to the loss. Fix: split the LM head (e.g. models.gpt_preset(), whose "
-            "vocabulary-parallel wte is tied to lm_head), or pass sp_exit='<the final norm>' (e.g. 'ln_f')"
-        )
-    for path in outputs:
-        s = stage_of(path)
-        if s != n_stages - 1:
-            raise ShardingError(
-                f"{given}: {path!r} gathers the sequence but is {where(s)}, not on the last stage {n_stages - 1}; the "
-                "stages after it would receive full sequences where shards are expected. Fix: "
-                f"split_points= that keep {path!r} in the last stage, or leave sp_exit unset"
-            )
-    tp_ranks = {at[s][0] for s in map(stage_of, (layer.path for layer in whole.tp_layers)) if s is not None}
-    for r in range(p):
-        if r not in tp_ranks:
-            held = [name for layers in modules[r].chunk_layers for name in layers]
-            raise ShardingError(
-                f"{given}: pp rank {r} holds layers {held} with no tensor-parallel layer, so nothing there splits, "
-                f"gathers or sums over {whole.tp_layers[0].axis!r}. Fix: split_points= that give every stage a block, or "
-                "split its embedding (P('tp', None) on wte.weight, as models.gpt_preset() does)"
-            )
-    fields = []
-    for r, stage in enumerate(modules):
-        names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-        fields.append(dict(
-            sequence_parallel=True,
-            sp_entry=whole.sp_entry if r == at[0][0] else None,
-            sp_exit=whole.sp_exit if r == at[n_stages - 1][0] else "",
-            sp_grad_params=tuple(n for n in whole.sp_grad_params if n in names),
-        ))
-    return fields

@@ -183,3 +183,30 @@ def test_sequence_parallel_refusals_on_every_rank(case, words):
         run_on(4, _refused_on_every_rank, case)
     assert set(err.value.errors) == {0, 1, 2, 3}
     assert all(t == "ShardingError" and words in m for t, m in err.value.errors.values())
+
+
+def test_a_stage_planned_apart_from_the_verified_whole_model_is_refused(monkeypatch):
+    """Each stage is planned again on its own containers; where that differed from the whole model's
+    plan (the one shard(verify=True) proves), a stage ran an unverified layout (OPT's layer norms
+    summed over tp; see test_hf_pipeline). A stage whose tensor-parallel layers differ is now
+    refused: here the stage's analysis is made to plan the LM head as a row layer."""
+    import dataclasses
+    import importlib
+
+    from shardlib.parallel.pipeline import Stage
+
+    plan_mod = importlib.import_module("shardlib.plan")  # the module (shardlib.plan is the function)
+
+    real = plan_mod.analyze_tensor_parallel
+
+    def drifting(model, *args, **kwargs):
+        roles, layers = real(model, *args, **kwargs)
+        if isinstance(model, Stage):
+            layers = [dataclasses.replace(l, output_layer=False) if l.output_layer else l for l in layers]
+        return roles, layers
+
+    shardlib.plan(_gpt(), PP2_TP2, gpt_preset().specs, microbatches=2)  # as planned: accepted
+    monkeypatch.setattr(plan_mod, "analyze_tensor_parallel", drifting)
+    with pytest.raises(ShardingError, match=r"pp rank 1: the stage's tensor-parallel layout differs from the whole "
+                                            r"model's, which is the one verified \(first difference: lm_head"):
+        shardlib.plan(_gpt(), PP2_TP2, gpt_preset().specs, microbatches=2)
