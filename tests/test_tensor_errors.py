@@ -360,3 +360,47 @@ def test_bad_tp_specs_raise_on_every_rank_before_communication():
     assert re.search(pattern(["sequence_parallel splits the sequence over 'tp' (size 2)", "sequence length is 7",
                               "Fix: use a length divisible by 2"]), message), message
     assert [r["after"] for r in ranks] == [2.0, 2.0]
+
+
+class _BlockWithSplitAux(nn.Module):
+    """A block that also returns its column layer's output (as a decoder layer returns the
+    attention weights of its heads): split over tp by the lowering."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(torch.relu(h)), h
+
+
+class _NetWithSplitAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_BlockWithSplitAux()])
+
+    def forward(self, x):
+        return self.blocks[0](x)[0]
+
+
+def _shard_a_block_with_a_split_aux_output():
+    import shardlib
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    try:
+        shardlib.shard(_NetWithSplitAux(), mesh, {"blocks.0.up.weight": P("tp", None), "blocks.0.down.weight": P(None, "tp")},
+                       verify_input=torch.randn(2, 8))
+    except ShardingError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.multiprocess
+def test_a_split_output_besides_the_first_is_named_without_sequence_parallelism():
+    """The refusal said 'only the first output of a sequence-parallel block is a sequence shard'
+    with sequence parallelism off (Falcon's decoder layer returns its heads' attention weights; a
+    new user's finding). It now names the output, its shapes and what to do."""
+    for message in run_on(2, _shard_a_block_with_a_split_aux_output):
+        assert "output 1 has shape (2, 8) sharded, (2, 16) expected: an output besides the first" in message, message
+        assert "sequence-parallel" not in message, message

@@ -499,3 +499,86 @@ def test_a_model_returning_vocab_parallel_logits_is_verified_and_trains():
         assert "" in report["units"] and report["max_error"] < 1e-12 and report["skipped"] is None
         assert shape == (2, 4, (19, 18)[rank])
         assert abs(loss - ref_loss) <= 1e-6 and head_err <= 1e-6, (loss, ref_loss, head_err)
+
+
+class _InPlaceResidualBlock(nn.Module):
+    """Falcon's parallel attention adds in place to a projection's output (``mlp_output +=
+    attention_output``): here to a bias-free row layer's."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        out = self.down(torch.relu(self.up(self.ln(x))))
+        out += x
+        return out
+
+
+class _InPlaceResidualNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_InPlaceResidualBlock(), _InPlaceResidualBlock()])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _in_place_residual_net():
+    torch.manual_seed(0)
+    return _InPlaceResidualNet().double()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_in_place_ops_on_a_row_layers_output_train_like_one_process(sp):
+    """Under sequence parallelism a bias-free row layer returned the reduce-scatter's output, a view
+    made inside shardlib's autograd function, and the model's in-place add raised 'Output 0 of
+    _ReduceScatter is a view and is being modified inplace' (Falcon; a new user's finding). Every
+    collective's output is now a tensor of its own (test_in_place_ops_on_every_collectives_output)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 6, 8, generator=g, dtype=torch.float64), torch.randn(4, 6, 8, generator=g, dtype=torch.float64)
+    specs = {"blocks.*.up.weight": P("tp", None), "blocks.*.down.weight": P(None, "tp")}
+    assert_equivalent(_in_place_residual_net, {"tp": 2}, specs, (x, y), steps=3, loss_fn=_mse, sequence_parallel=sp)
+
+
+def _in_place_on_collective_outputs():
+    mesh = shardlib.init_mesh({"tp": 2})
+    x = torch.arange(24, dtype=torch.float64).reshape(2, 4, 3).add(10 * mesh.rank).requires_grad_()
+    collectives = {
+        "all_gather dim 0": lambda t: shardlib.all_gather(t, "tp", 0),
+        "all_gather dim 1": lambda t: shardlib.all_gather(t, "tp", 1),
+        "reduce_scatter dim 0": lambda t: shardlib.reduce_scatter(t, "tp", 0),
+        "reduce_scatter dim 1": lambda t: shardlib.reduce_scatter(t, "tp", 1),
+        "all_reduce": lambda t: shardlib.all_reduce(t, "tp"),
+        "pvary": lambda t: shardlib.pvary(t, "tp"),
+        "all_to_all": lambda t: shardlib.all_to_all(t, "tp", 1, 0),
+        "ppermute": lambda t: shardlib.ppermute(t, "tp", [(0, 1), (1, 0)]),
+    }
+    out = {}
+    for name, f in collectives.items():
+        try:
+            y = f(x * 1)
+            y.mul_(3)  # in place on the collective's output
+            (inplace,) = torch.autograd.grad(y.pow(2).sum(), x)
+        except RuntimeError as exc:
+            out[name] = str(exc)[:200]
+            continue
+        (outofplace,) = torch.autograd.grad((f(x * 1) * 3).pow(2).sum(), x)
+        out[name] = (y.detach(), inplace, outofplace)
+    return out
+
+
+def test_in_place_ops_on_every_collectives_output():
+    """An in-place op on a collective's output raised (a view made inside the autograd function,
+    or the input returned as it was: all_gather and reduce_scatter along dim 0 or 1, pvary). Now
+    each output and gradient equal those of the out-of-place op."""
+    for results in run_on(2, _in_place_on_collective_outputs):
+        for name, got in results.items():
+            assert not isinstance(got, str), f"{name}: {got}"
+            value, inplace, outofplace = got
+            assert value.abs().sum() > 0, name
+            torch.testing.assert_close(inplace, outofplace, rtol=0, atol=0, msg=name)

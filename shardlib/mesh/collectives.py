@@ -54,6 +54,17 @@ def _mesh(mesh: Mesh | None) -> Mesh:
 # under Dynamo too, so they must not be traced either (:mod:`.eager`).
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """An autograd function's output as a tensor of its own: not a view of a buffer made in its
+    forward (``movedim``, a reshape of the received pieces) nor its input returned as it was
+    (size-1 axes, ``pvary``), either of which makes an in-place op on the output raise ("Output 0
+    of _ReduceScatter is a view and is being modified inplace": Falcon's ``mlp_output +=
+    attention_output`` after a bias-free row layer under sequence parallelism). No copy: the
+    storage is shared, and so is the version counter, so autograd still sees an in-place change
+    of an input that something saved."""
+    return t.detach()
+
+
 def _inverse(where: list[int]) -> list[int]:
     """The inverse permutation of ``where`` (axis index -> group rank): group rank -> axis index."""
     order = [0] * len(where)
@@ -122,7 +133,7 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names):
         ctx.mesh, ctx.names = mesh, names
-        return x.view_as(x)
+        return _own(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -135,7 +146,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, dim):
         ctx.mesh, ctx.names, ctx.dim = mesh, names, dim
-        return _gather(x, mesh, names, dim)
+        return _own(_gather(x, mesh, names, dim))
 
     @staticmethod
     def backward(ctx, g):
@@ -146,7 +157,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, dim):
         ctx.mesh, ctx.names, ctx.dim = mesh, names, dim
-        return _scatter(x, mesh, names, dim)
+        return _own(_scatter(x, mesh, names, dim))
 
     @staticmethod
     def backward(ctx, g):
@@ -182,7 +193,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, split_dim, concat_dim):
         ctx.args = (mesh, names, split_dim, concat_dim)
-        return _all_to_all(x, mesh, names, split_dim, concat_dim)
+        return _own(_all_to_all(x, mesh, names, split_dim, concat_dim))
 
     @staticmethod
     def backward(ctx, g):
@@ -216,7 +227,7 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, perm):
         ctx.args = (mesh, names, [(d, s) for s, d in perm])
-        return _ppermute(x, mesh, names, perm)
+        return _own(_ppermute(x, mesh, names, perm))
 
     @staticmethod
     def backward(ctx, g):

@@ -257,13 +257,16 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
                   for i, (c, y) in enumerate(zip(cots, y_s))]
         shapes = [tuple(c.shape) for c in cots_s]
         if [tuple(y.shape) for y in y_s] != shapes:
-            raise RuntimeError(f"output shapes {[tuple(y.shape) for y in y_s]}, expected {shapes} (only the first output "
-                               "of a sequence-parallel block is a sequence shard)")
+            i = next(i for i, (y, c) in enumerate(zip(y_s, shapes)) if tuple(y.shape) != c)
+            why = ("a sequence-parallel block's first output is its sequence shard" if unit.split_out and i == 0 else
+                   "an output besides the first, such as attention weights of this rank's heads, stays split; "
+                   "if the model discards it, verify=False" if i else "the unsharded shape")
+            raise RuntimeError(f"output {i} has shape {tuple(y_s[i].shape)} sharded, {shapes[i]} expected: {why}")
         sum((y * c).sum() for y, c in zip(y_s, cots_s)).backward()
     except ShardingError:
         raise
     except Exception as exc:
-        what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:200]}"
+        what = f"the sharded forward/backward raised {type(exc).__name__}: {str(exc)[:300]}"
         return [(what, float("inf"), None)] + [(w, 0.0, r) for w, r in checks[1:]]
     out = [(checks[i][0], rel_error(y, vocab_local(split_seq(r, n, index) if unit.split_out and i == 0 else r, y, vocab)),
             None) for i, (y, r) in enumerate(zip(y_s, y_ref))]
