@@ -149,3 +149,39 @@ ISSUE_CASES = [  # issue 14's silent mismatches, as a user wrote them (measured 
 @pytest.mark.parametrize("family,specs,sp", ISSUE_CASES, ids=[c[0] for c in ISSUE_CASES])
 def test_issue_layouts_train_exactly(family, specs, sp):
     _run(family, specs, sp)
+
+
+def _llama_with_attention_dropout(implementation):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attention_dropout=0.5, use_cache=False,
+        attn_implementation=implementation, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def _shard_llama_with_attention_dropout(implementation):
+    import shardlib
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    model = _llama_with_attention_dropout(implementation)
+    preset = hf_preset(model)
+    try:
+        shardlib.shard(model, mesh, preset.specs, **preset.options)
+    except ShardingError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("implementation,function", [("eager", "dropout"), ("sdpa", "scaled_dot_product_attention")])
+def test_attention_dropout_on_this_ranks_heads_is_refused(implementation, function):
+    """Attention dropout is a function call (F.dropout on the weights, or sdpa's dropout_p), not a
+    dropout module: the check of dropout between a column layer and its row layer saw nothing
+    (verification runs in eval mode), and every tp rank drew the same mask for its own heads
+    (rank 0's heads 0-1 masks equal rank 1's heads 2-3, where one process draws them apart; a
+    new user's finding). A training-mode probe now finds such calls."""
+    from shardlib.testing import run_on
+
+    for message in run_on(2, _shard_llama_with_attention_dropout, implementation):
+        assert (f"self_attn calls {function} (p=0.5) between a column-parallel layer and its row-parallel partner, "
+                "on activations split over 'tp'") in message, message
+        assert "attention_dropout=0.0" in message

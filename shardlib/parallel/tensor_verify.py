@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShardingError
@@ -224,6 +225,15 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
     for h in hooks:
         h.remove()
     dropouts = _split_dropouts(ref, mini, order)
+    calls = [] if dropouts else _split_functional_dropouts(copy.deepcopy(ref), mini, lambda m: run(m, False))
+    if calls:
+        raise ShardingError(
+            f"shard(verify=True): in {unit.path or '<root>'} ({type(original).__name__}), in a training forward, "
+            f"{', '.join(calls[:4])} between a column-parallel layer and its row-parallel partner, on activations split "
+            f"over {axis!r} (this rank's heads): dropout called as a function draws from torch's generator, the same "
+            "stream on every rank of the axis, so every rank would drop the same pattern on its own heads, unlike one "
+            "device. Fix: set that dropout to 0 (a Hugging Face config's attention_dropout=0.0), or leave that "
+            "projection pair replicated")
     if dropouts:
         raise ShardingError(
             f"shard(verify=True): in {unit.path or '<root>'} ({type(original).__name__}), {', '.join(dropouts[:4])} "
@@ -301,6 +311,70 @@ def _split_dropouts(ref: nn.Module, mini: SimpleNamespace, order: list[str]) -> 
             if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
                 out.append(f"{path} (p={m.p})")
     return list(dict.fromkeys(out))
+
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
+             torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
+
+
+def _split_functional_dropouts(ref: nn.Module, mini: SimpleNamespace, forward: Any) -> list[str]:
+    """Dropout called as a function (``F.dropout`` on attention weights, ``scaled_dot_product_attention``
+    with ``dropout_p > 0``: Hugging Face's attention), with p > 0 in a training forward, between a
+    column layer of a group and its row layer: ``module.function (p=...)``. Found by one forward of
+    ``ref`` in training mode without gradients (the verification runs in eval mode, where these
+    draw nothing; ``forward(module)`` runs it on the unit's inputs); a dropout module's own call is
+    :func:`_split_dropouts`'s."""
+    from torch.overrides import TorchFunctionMode
+
+    kinds = {layer.path: (layer.kind, layer.group) for layer in mini.tp_layers
+             if layer.kind in ("column", "row") and not layer.output_layer}
+    if not kinds:
+        return []
+    stack: list[str] = []
+    open_groups: set[str] = set()  # groups whose column layer has run and whose row layer has not
+    found: list[str] = []
+
+    def enter(path: str, module: nn.Module) -> None:
+        stack.append(path)
+        kind, group = kinds.get(path, (None, None))
+        if kind == "column":
+            open_groups.add(group)
+        elif kind == "row":
+            open_groups.discard(group)
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in _DROPOUTS:
+                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+                training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+            elif func is F.scaled_dot_product_attention:
+                p, training = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0), True
+            else:
+                p, training = 0.0, False
+            where = stack[-1] if stack else ""
+            inside_module = isinstance(modules.get(where), nn.modules.dropout._DropoutNd)
+            if p and training and open_groups and not inside_module:
+                found.append(f"{where or '<root>'} calls {getattr(func, '__name__', func)} (p={p})")
+            return func(*args, **kwargs)
+
+    modules = dict(ref.named_modules())
+    hooks = [m.register_forward_pre_hook(lambda mod, a, p_=p_: enter(p_, mod)) for p_, m in modules.items()]
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        stack.pop()
+
+    hooks += [m.register_forward_hook(leave) for m in modules.values()]
+    ref.train()
+    try:  # the caller's generators as they were: the probe's draws are not the user's
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), Probe():
+            forward(ref)
+    except Exception:  # noqa: BLE001 - a model that cannot run in training mode here draws nothing we can see
+        pass
+    finally:
+        ref.eval()
+        for h in hooks:
+            h.remove()
+    return list(dict.fromkeys(found))
 
 
 def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
