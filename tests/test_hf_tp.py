@@ -185,3 +185,20 @@ def test_attention_dropout_on_this_ranks_heads_is_refused(implementation, functi
         assert (f"self_attn calls {function} (p=0.5) between a column-parallel layer and its row-parallel partner, "
                 "on activations split over 'tp'") in message, message
         assert "attention_dropout=0.0" in message
+
+
+def test_sequence_parallel_enters_at_the_first_decoder_layer_not_a_longer_list_of_per_head_norms():
+    """StableLM with qk_layernorm holds a ModuleList of per-head norms (4) longer than its decoder
+    layers (2): the default sequence-parallel entry was the first norm, and the refusal blamed a
+    'sequence length of 1' on the (B, 1, T, head_dim) head slice (a new user's finding). The
+    entry is now the first entry of the longest list holding tensor-parallel layers."""
+    from shardlib import AbstractMesh, plan
+
+    model = transformers.StableLmForCausalLM(transformers.StableLmConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, qk_layernorm=True, max_position_embeddings=16, use_cache=False))
+    col, row = P("tp", None), P(None, "tp")
+    specs = {"model.layers.*.self_attn.[qkv]_proj.weight": col, "model.layers.*.self_attn.o_proj.weight": row,
+             "model.layers.*.mlp.[gu]*_proj.weight": col, "model.layers.*.mlp.down_proj.weight": row}
+    p = plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True)
+    assert p.sp_entry == "model.layers.0", p.sp_entry

@@ -348,7 +348,8 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
     """(entry module, exit module, parameters whose gradients are summed over the tensor axis).
 
     Entry default: the module named ``drop`` (GPT-2's dropout after the embedding sum), else the
-    first block of the longest ``ModuleList`` (the decoder layers: LLaMA), so masks and positions
+    first block of the longest ``ModuleList`` holding tensor-parallel layers (the decoder layers:
+    LLaMA; not a list of per-head norms inside them), so masks and positions
     are built on the whole sequence before the split. Exit: a module whose output is gathered
     along the sequence (GPT-2's ``ln_f``); default none when a tensor-parallel output layer (the
     LM head) gathers, else the last block. Every replicated parameter of the blocks, the norms
@@ -367,7 +368,7 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
         in_lists = {f"{n_}.{i}" for n_, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
         drops = [name for name in modules if name.rpartition(".")[2] == "drop"  # GPT-2's, not one inside a block
                  and not any(name.startswith(b + ".") for b in in_lists)]
-        lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
+        lists = block_lists(modules, tp_layers)
         if drops:
             entry = drops[0]
         elif lists:
@@ -379,7 +380,7 @@ def sequence_parallel_layout(model: nn.Module, tp_layers, entry: str | None, exi
             )
     row_biases = {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     split = split_param_names(tp_layers)
-    blocks = region_blocks(modules, entry)
+    blocks = region_blocks(modules, entry, tp_layers)
     if exit_ is None and blocks and not any(layer.output_layer for layer in tp_layers):
         exit_ = blocks[-1]  # nothing gathers the sequence later (a replicated LM head): the last block does
     inner = [b for b in blocks[:-1] if exit_ is not None and (exit_ == b or exit_.startswith(b + "."))]
@@ -416,14 +417,22 @@ def split_param_names(tp_layers) -> set[str]:
     return out
 
 
-def region_blocks(modules: dict, entry: str) -> list[str]:
+def block_lists(modules: dict, tp_layers) -> list[tuple[int, str]]:
+    """``(length, path)`` of the ``ModuleList`` s whose entries hold tensor-parallel layers: the
+    blocks (not a list of per-head norms inside them, StableLM's ``q_layernorm.norms``, which can
+    be longer)."""
+    return [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)
+            and any(layer.path.startswith(f"{name}.") for layer in tp_layers)]
+
+
+def region_blocks(modules: dict, entry: str, tp_layers) -> list[str]:
     """The blocks that run inside the sequence-parallel region: the entry block and those after
     it in its ``ModuleList`` (LLaMA's ``model.layers.0`` onward), or, for an entry that is not a
-    block (GPT-2's ``drop``), every block of the longest ``ModuleList``."""
+    block (GPT-2's ``drop``), every block of the longest list of blocks (:func:`block_lists`)."""
     parent, _, idx = entry.rpartition(".")
     if idx.isdigit() and isinstance(modules.get(parent), nn.ModuleList):
         return [f"{parent}.{i}" for i in range(int(idx), len(modules[parent]))]
-    lists = [(len(m), name) for name, m in modules.items() if isinstance(m, nn.ModuleList) and len(m)]
+    lists = block_lists(modules, tp_layers)
     if not lists:
         return []
     name = max(lists, key=lambda t: t[0])[1]

@@ -63,7 +63,7 @@ def candidate_units(model: nn.Module, plan) -> list[Unit]:
     tensor-parallel layers; ``key`` set, ``inputs`` not yet."""
     modules = dict(model.named_modules())
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
-    region = set(region_blocks(modules, plan.sp_entry)) if plan.sequence_parallel and plan.sp_entry else set()
+    region = set(region_blocks(modules, plan.sp_entry, plan.tp_layers)) if plan.sequence_parallel and plan.sp_entry else set()
     units: dict[str, Unit] = {}
 
     def add(path: str, kind: str, **kw) -> None:
