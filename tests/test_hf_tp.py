@@ -202,3 +202,28 @@ def test_sequence_parallel_enters_at_the_first_decoder_layer_not_a_longer_list_o
              "model.layers.*.mlp.[gu]*_proj.weight": col, "model.layers.*.mlp.down_proj.weight": row}
     p = plan(model, AbstractMesh({"tp": 2}), specs, sequence_parallel=True)
     assert p.sp_entry == "model.layers.0", p.sp_entry
+
+
+def _shard_cohere_with_qk_norm():
+    import shardlib
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    model = transformers.CohereForCausalLM(transformers.CohereConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, use_qk_norm=True, max_position_embeddings=16, use_cache=False))
+    preset = hf_preset(model)
+    try:
+        shardlib.shard(model, mesh, preset.specs, **preset.options)
+    except ShardingError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.multiprocess
+def test_a_per_key_value_head_norm_is_named_with_the_key_value_head_count():
+    """Cohere's k_norm weight (kv_heads 2, head_dim 4) was called 'one entry per head of all 4' (a
+    new user's finding): the refusal now counts key/value heads where the rows are those."""
+    from shardlib.testing import run_on
+
+    message = run_on(2, _shard_cohere_with_qk_norm)[0]
+    assert "self_attn.k_norm.weight (2, 4) (one row per key/value head of all 2, replicated)" in message, message

@@ -513,7 +513,11 @@ def _global_sizes(m: nn.Module, split: list[str]) -> list[str]:
         head_dim, heads, kv = head_counts(c)
         for pname, prm in c.named_parameters():
             owner = join(path, pname.rpartition(".")[0])
-            if heads and heads in tuple(prm.shape) and not any(inside(s_, owner) and s_ == owner for s_ in split):
+            if any(inside(s_, owner) and s_ == owner for s_ in split) or not prm.dim():
+                continue
+            if kv and kv != heads and prm.shape[0] == kv:  # Cohere's k_norm (kv_heads, head_dim)
+                out.append(f"{join(path, pname)} {tuple(prm.shape)} (one row per key/value head of all {kv}, replicated)")
+            elif heads and heads in tuple(prm.shape):
                 out.append(f"{join(path, pname)} {tuple(prm.shape)} (one entry per head of all {heads}, replicated)")
         for k, v in vars(c).items():
             if k in ("head_dim", "head_size", "key_value_proj_dim", "d_kv", "num_key_value_groups") or k in LOCALIZED:
