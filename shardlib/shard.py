@@ -106,6 +106,8 @@ class ShardedModule(nn.Module):
             check_local_batch(self.plan, args, kwargs, self.training and torch.is_grad_enabled())
         if self.plan.param_dtype is not None:  # FSDP2's cast_forward_inputs
             args, kwargs = _cast_floating((args, kwargs), self.plan.param_dtype)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # (no graph break)
+            zero.refuse_unfrozen()
         zero.root_pre_forward()
         try:
             if not torch.is_grad_enabled():  # nothing is saved for backward

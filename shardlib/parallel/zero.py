@@ -43,6 +43,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..errors import ShardingError
 from ..mesh.collectives import raw_all_gather, raw_broadcast
 from ..mesh.eager import eager
 from .chunk import Chunk, mark_sharded_away
@@ -91,6 +92,9 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
             members[c].append((by_name[pp.name], off))
         self._sync = True  # reduce at the end of backward (False inside no_sync(); see the sync property)
         self.unsynced = False  # the last backward ran inside no_sync()
+        # no gradient since the start or zero_grad(set_to_none=True): a step updates nothing (torch's
+        # optimizers skip a parameter whose .grad is None)
+        self.grads_absent = True
         self.reduce_channel = _REDUCE if self.stage == 3 else 0
         if self.n > 1:
             mesh.group(self.axes, self.reduce_channel)  # created now, collectively, on every rank
@@ -186,6 +190,7 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
     # under a compiled function that calls ``backward()`` Dynamo would compile their frames too.
     @eager
     def _on_grad_ready(self, prm: nn.Parameter) -> None:
+        self.grads_absent = False
         if not self._callback_queued:
             self._queue_callback()
         key = id(prm)
@@ -403,6 +408,7 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
             chunk.carry, chunk.reduced = None, False
         self._tp_sums.zero_grad()
         self.unsynced = False  # gradients accumulated under no_sync() are gone: step() may run
+        self.grads_absent = set_to_none
 
     def settle_grads(self) -> None:
         """Write the zeros that :meth:`zero_grad` deferred into every gradient the optimizer
@@ -419,6 +425,23 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
             # blocking (_finish_reduce): the update of an offloaded shard runs on the CPU, as
             # ZeRO-Offload's step, so it waits for them here, once per step
             torch.cuda.current_stream(self.chunks[0].device).synchronize()
+
+    def refuse_unfrozen(self) -> None:
+        """Raise if a parameter frozen at ``shard()`` time has been made trainable since: its chunk
+        has no gradient buffer, hook or optimizer shard, so it would never train.
+
+        Raises:
+            ShardingError: naming the parameter (on every rank that unfroze it: the ranks run
+                the same code)."""
+        for chunk in self.chunks:  # (a frozen chunk's parameters: most models have none)
+            if not chunk.trainable and any(prm.requires_grad for prm, _ in chunk.params):
+                woken = {id(prm) for prm, _ in chunk.params if prm.requires_grad}
+                name = next(n for n, prm in self.model.named_parameters(remove_duplicate=False) if id(prm) in woken)
+                raise ShardingError(
+                    f"parameter {name} was frozen (requires_grad=False) when shard() planned it and is trainable now: "
+                    "its chunk has no gradient buffer and no optimizer shard, so it would never train. Fix: set "
+                    "requires_grad before shard() (freezing after it works: a frozen parameter's gradient is "
+                    "skipped), and build the ZeroOptimizer after shard()")
 
     # -- optimizer support ---------------------------------------------------------------------
     def optimizer_params(self) -> list[nn.Parameter]:
