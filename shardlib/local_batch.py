@@ -54,7 +54,7 @@ def check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, whe
     if others:
         paths, leaves, _ = optree.tree_flatten_with_path((args, kwargs))
         named = [(_argument_name(path), t) for path, t in zip(paths, leaves) if isinstance(t, torch.Tensor)]
-        # one slot per tensor argument (the 8th on share one), and their count: a fixed size on every rank
+        # one slot per tensor argument (from the 8th on they share the last), and their count: one size everywhere
         sums = torch.zeros(_SLOTS + 1, dtype=torch.float64, device=mesh.device)
         sums[_SLOTS] = len(named)
         for i, (_, t) in enumerate(named):

@@ -98,7 +98,9 @@ class ShardedModule(nn.Module):
             ShardingError: in check mode, on every rank of the group concerned: a training
                 forward's (module in training mode, gradients enabled) local batches have
                 different row counts across the data axes; or any forward's batch differs
-                (a position-weighted checksum) across the tensor-parallel axes.
+                (a position-weighted checksum) across the tensor-parallel axes. With gradients
+                enabled: a parameter frozen when ``shard()`` planned it is trainable now (its chunk
+                has no gradient buffer or optimizer shard: set ``requires_grad`` before ``shard()``).
         """
         zero = self._zero
         # check mode; a pipeline's step checks its local batch and labels on every rank (forward_backward)

@@ -359,14 +359,15 @@ def _split_functional_dropouts(ref: nn.Module, mini: SimpleNamespace, forward: A
             return func(*args, **kwargs)
 
     modules = dict(ref.named_modules())
-    hooks = [m.register_forward_pre_hook(lambda mod, a, p_=p_: enter(p_, mod)) for p_, m in modules.items()]
     def leave(module: nn.Module, args: Any, out: Any) -> None:
         stack.pop()
 
+    hooks = [m.register_forward_pre_hook(lambda mod, a, p_=p_: enter(p_, mod)) for p_, m in modules.items()]
     hooks += [m.register_forward_hook(leave) for m in modules.values()]
+    device = run_device(ref)
     ref.train()
     try:  # the caller's generators as they were: the probe's draws are not the user's
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), Probe():
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), Probe():
             forward(ref)
     except Exception:  # noqa: BLE001 - a model that cannot run in training mode here draws nothing we can see
         pass
