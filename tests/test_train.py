@@ -295,10 +295,12 @@ def _records(path):
 
 @pytest.mark.multiprocess
 # 2 ranks each (a 4-rank case took 46 s of the suite; torchrun on 4 ranks is covered by
-# test_examples' pipeline x tensor / sequence parallel runs): data parallel evaluated on tensor
-# parallel, and tensor parallel evaluated on a 2-stage pipeline
-@pytest.mark.parametrize("mesh, eval_mesh", [("{'dp': -1}", "dp=1,tp=2"), ("{'tp': 2}", "pp=2")])
-def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path, mesh, eval_mesh):
+# test_examples' pipeline x tensor / sequence parallel runs): data parallel resumed and evaluated
+# on tensor parallel, and tensor parallel evaluated on a 2-stage pipeline (its resume would repeat
+# the first case's under torchrun, 8-9 s of the suite: resharded resumes on tensor-parallel
+# meshes are test_checkpoint's)
+@pytest.mark.parametrize("mesh, eval_mesh, resume", [("{'dp': -1}", "dp=1,tp=2", True), ("{'tp': 2}", "pp=2", False)])
+def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path, mesh, eval_mesh, resume):
     ck = tmp_path / "ck"
     args = (f"--set=parallel.mesh={mesh}", f"--set=checkpoint.dir={str(ck)!r}", "--set=checkpoint.interval=2")
     out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='a'", "--set=checkpoint.keep_last=0")
@@ -306,6 +308,12 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
     assert sorted(os.listdir(ck)) == ["step_000002", "step_000004"]
     straight = _records(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in straight] == [1, 2, 3, 4] and straight[-1]["val_loss"] is not None
+    if resume:
+        _resume_bit_exact(tmp_path, ck, args, straight)
+    _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight)
+
+
+def _resume_bit_exact(tmp_path, ck, args, straight):
     # a run killed after step 2: its step-4 checkpoint never written (the test's own folder)
     checkpoint.remove(ck / "step_000004")
     out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='b'", "--set=checkpoint.resume=True",
@@ -321,6 +329,9 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
     section = load_config(DEFAULT, [*SMALL, *(a.removeprefix("--set=") for a in args)]).checkpoint
     with pytest.raises(ConfigError, match=r"already holds step_000004 .*checkpoint\.resume=True"):
         Checkpoints(section, 4)
+
+
+def _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight):
     # the checkpoint's validation loss, on another mesh: the training run's last figure
     res = tmp_path / "eval.json"
     out = _tool(tmp_path, "shardlib.eval", "--ckpt", str(ck), "--mesh", eval_mesh,
