@@ -33,15 +33,17 @@ def check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, whe
     if getattr(mesh, "fake", False) or (first is not None and first.is_meta):  # a dry run: no values to compare
         return
 
-    def spread(value: float, axes: tuple, what: str) -> tuple[float, float]:
-        both = torch.tensor([value, -value], dtype=torch.float64, device=mesh.device)
+    def spread(values: torch.Tensor, axes: tuple, what: str) -> tuple[list, list]:
+        """(least, most) of each of ``values`` (float64, on the mesh's device) over ``axes``."""
+        both = torch.cat([values, -values])
         raw_all_reduce(both, mesh, axes, op="max", record=False, note=f"check: {what}")
-        most, least = both.tolist()
-        return -least, most
+        k = values.numel()
+        return (-both[k:]).tolist(), both[:k].tolist()
 
     if training and plan.data_size > 1:
         rows = -1 if first is None else first.shape[0]
-        least, most = spread(rows, plan.data_axes, "local batch rows")
+        (least,), (most,) = spread(torch.tensor([rows], dtype=torch.float64, device=mesh.device), plan.data_axes,
+                                   "local batch rows")
         if most != least:
             raise ShardingError(
                 f"{where}: the local batch has {rows} row{'' if rows == 1 else 's'} on this rank, and between "
@@ -61,9 +63,7 @@ def check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, whe
             flat = torch.nan_to_num(t.detach().reshape(-1).to(torch.float64), nan=0.0, posinf=1.0, neginf=-1.0)
             weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
             sums[min(i, _SLOTS - 1)] += (flat * weights).sum().to(sums.device) if flat.numel() else 0.0
-        both = torch.cat([sums, -sums])
-        raw_all_reduce(both, mesh, others, op="max", record=False, note="check: the same batch")
-        most, least = both[: _SLOTS + 1].tolist(), (-both[_SLOTS + 1:]).tolist()
+        least, most = spread(sums, others, "the same batch")
         differ = [i for i in range(_SLOTS + 1) if most[i] != least[i]]
         if differ:
             mine = sums.tolist()

@@ -364,8 +364,8 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     options["_chunk_units"] = ({n: pp.unit for pp in whole.params for n in (pp.name,) + pp.aliases},  # the whole model's blocks
                                find_blocks(model))
     options["_whole_model"] = model  # (its config, for the activation estimate)
-    # the whole model's partial-sum parameters (tp_sum_grads included): found on the model's own modules, which
-    # a stage holds in other containers, and a glob need not match on every stage
+    # the whole model's partial-sum parameters (tp_sum_grads included; under sequence parallelism the region's):
+    # found on the model's own modules, which a stage holds in other containers; a glob need not match every stage
     options["_sum_grads"] = whole.sp_grad_params
     options.pop("tp_sum_grads", None)
     if whole.init_rules:  # meta-built: each stage takes the whole model's rule under every name

@@ -420,12 +420,13 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
         )
     sp_entry, sp_exit, sp_grad_params = (
         sequence_parallel_layout(model, tp_layers, options.get("sp_entry"), options.get("sp_exit"))
-        if sequence_parallel else ("", "", split_region_params(model, tp_layers))
+        if sequence_parallel else ("", "", None if whole_sums is not None else split_region_params(model, tp_layers))
     )
-    sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     if whole_sums is not None:  # a stage's containers are not the model's (split_region_params reads ModuleLists)
         held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
         sp_grad_params = tuple(n for n in whole_sums if n in held)
+    else:
+        sp_grad_params = with_sum_globs(model, sp_grad_params, options.get("tp_sum_grads", ()), tp_layers)
     zero = "replicated" if stage == 0 else f"zero-{stage}"
     if units is None:
         blocks = find_blocks(model)

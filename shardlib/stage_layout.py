@@ -38,8 +38,9 @@ def sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, a
     """Each pp rank's share of the whole model's sequence-parallel layout, checked exact.
 
     Returns, per pp rank, the plan fields: ``sp_entry`` (the whole model's on the first stage's
-    rank, else None: the stage's input arrives as the sequence shard), ``sp_exit`` (on the last
-    stage's rank), ``sp_grad_params`` (the rank's norm weights and row biases).
+    rank, else None: the stage's input arrives as the sequence shard) and ``sp_exit`` (on the
+    last stage's rank); each stage's ``sp_grad_params`` are the whole model's it holds, planned
+    with the stage (``_sum_grads`` in :func:`~shardlib.pipeline_plan.plan_pipeline`).
     """
     p = len(modules)
     n_stages = p * len(modules[0].chunk_paths)
@@ -86,13 +87,5 @@ def sequence_parallel_per_rank(whole: "Plan", modules: list[Stage], mesh: Any, a
                 f"gathers or sums over {whole.tp_layers[0].axis!r}. Fix: split_points= that give every stage a block, or "
                 "split its embedding (P('tp', None) on wte.weight, as models.gpt_preset() does)"
             )
-    fields = []
-    for r, stage in enumerate(modules):
-        names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-        fields.append(dict(
-            sequence_parallel=True,
-            sp_entry=whole.sp_entry if r == at[0][0] else None,
-            sp_exit=whole.sp_exit if r == at[n_stages - 1][0] else "",
-            sp_grad_params=tuple(n for n in whole.sp_grad_params if n in names),
-        ))
-    return fields
+    return [dict(sequence_parallel=True, sp_entry=whole.sp_entry if r == at[0][0] else None,
+                 sp_exit=whole.sp_exit if r == at[n_stages - 1][0] else "") for r in range(p)]

@@ -158,11 +158,13 @@ def _llama_with_attention_dropout(implementation):
         attn_implementation=implementation, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
-def _shard_llama_with_attention_dropout(implementation):
+def _preset_refusal(make, *args):
+    """On each rank: shard ``make(*args)`` by its hf_preset on tp=2; the refusal's message, or
+    'accepted'."""
     import shardlib
 
     mesh = shardlib.init_mesh({"tp": 2})
-    model = _llama_with_attention_dropout(implementation)
+    model = make(*args)
     preset = hf_preset(model)
     try:
         shardlib.shard(model, mesh, preset.specs, **preset.options)
@@ -181,7 +183,7 @@ def test_attention_dropout_on_this_ranks_heads_is_refused(implementation, functi
     new user's finding). A training-mode probe now finds such calls."""
     from shardlib.testing import run_on
 
-    for message in run_on(2, _shard_llama_with_attention_dropout, implementation):
+    for message in run_on(2, _preset_refusal, _llama_with_attention_dropout, implementation):
         assert (f"self_attn calls {function} (p=0.5) between a column-parallel layer and its row-parallel partner, "
                 "on activations split over 'tp'") in message, message
         assert "attention_dropout=0.0" in message
@@ -204,19 +206,10 @@ def test_sequence_parallel_enters_at_the_first_decoder_layer_not_a_longer_list_o
     assert p.sp_entry == "model.layers.0", p.sp_entry
 
 
-def _shard_cohere_with_qk_norm():
-    import shardlib
-
-    mesh = shardlib.init_mesh({"tp": 2})
-    model = transformers.CohereForCausalLM(transformers.CohereConfig(
+def _cohere_with_qk_norm():
+    return transformers.CohereForCausalLM(transformers.CohereConfig(
         vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, use_qk_norm=True, max_position_embeddings=16, use_cache=False))
-    preset = hf_preset(model)
-    try:
-        shardlib.shard(model, mesh, preset.specs, **preset.options)
-    except ShardingError as exc:
-        return str(exc)
-    return "accepted"
 
 
 @pytest.mark.multiprocess
@@ -225,5 +218,5 @@ def test_a_per_key_value_head_norm_is_named_with_the_key_value_head_count():
     new user's finding): the refusal now counts key/value heads where the rows are those."""
     from shardlib.testing import run_on
 
-    message = run_on(2, _shard_cohere_with_qk_norm)[0]
+    message = run_on(2, _preset_refusal, _cohere_with_qk_norm)[0]
     assert "self_attn.k_norm.weight (2, 4) (one row per key/value head of all 2, replicated)" in message, message

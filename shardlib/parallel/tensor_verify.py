@@ -45,13 +45,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
 from .tensor_lower import LOCALIZED, lower_tensor_parallel
 from .tensor_rules import head_counts, is_attention, split_param_names
+from .tensor_verify_dropouts import refuse_split_dropouts
 from .tensor_verify_units import Unit as _Unit, candidate_units, distinct_units, representatives
 from .tensor_verify_inputs import (SEED, capture_inputs, first_float, float_outputs, inside, join, put_first_float,
                                    rel, rel_error, run_device, sample_input, split_seq, tree_map, vocab_local,
@@ -224,23 +224,8 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
                     "cannot be checked. Fix: pass verify_input=<a small example batch>, or verify=False") from exc
     for h in hooks:
         h.remove()
-    dropouts = _split_dropouts(ref, mini, order)
-    calls = [] if dropouts else _split_functional_dropouts(copy.deepcopy(ref), mini, lambda m: run(m, False))
-    if calls:
-        raise ShardingError(
-            f"shard(verify=True): in {unit.path or '<root>'} ({type(original).__name__}), in a training forward, "
-            f"{', '.join(calls[:4])} between a column-parallel layer and its row-parallel partner, on activations split "
-            f"over {axis!r} (this rank's heads): dropout called as a function draws from torch's generator, the same "
-            "stream on every rank of the axis, so every rank would drop the same pattern on its own heads, unlike one "
-            "device. Fix: set that dropout to 0 (a Hugging Face config's attention_dropout=0.0), or leave that "
-            "projection pair replicated")
-    if dropouts:
-        raise ShardingError(
-            f"shard(verify=True): in {unit.path or '<root>'} ({type(original).__name__}), {', '.join(dropouts[:4])} "
-            f"run between a column-parallel layer and its row-parallel partner, on activations split over {axis!r}: "
-            "shardlib's mesh-independent dropout draws masks by batch and sequence position, not by the split feature, so "
-            "every rank would drop the same local features, unlike one device. Fix: set their p to 0, or leave that "
-            "projection pair replicated")
+    refuse_split_dropouts(ref, mini, order, lambda m: run(m, False), f"{unit.path or '<root>'} ({type(original).__name__})",
+                          axis)
     if not y_ref:
         raise ShardingError(f"shard(verify=True): {unit.kind} {unit.path or '<root>'} ({type(original).__name__}) returned "
                             "no floating-point tensor to compare. Fix: pass verify=False")
@@ -290,92 +275,6 @@ def _check(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int, index: int
         mine = sgrads.get(name)
         out.append((what, rel_error(mine.grad if mine is not None else None, rgrads.get(name), floor), replicated))
     return out
-
-
-def _split_dropouts(ref: nn.Module, mini: SimpleNamespace, order: list[str]) -> list[str]:
-    """Dropout modules (p > 0) that ran, in the reference forward, after a column layer of a
-    group and before its row layer: on feature-split activations (``path (p=...)``)."""
-    modules = dict(ref.named_modules())
-    groups: dict[str, list] = {}
-    for layer in mini.tp_layers:
-        if layer.kind in ("column", "row") and not layer.output_layer:
-            groups.setdefault(layer.group, []).append(layer)
-    out = []
-    for layers in groups.values():
-        cols = [order.index(l.path) for l in layers if l.kind == "column" and l.path in order]
-        rows = [order.index(l.path) for l in layers if l.kind == "row" and l.path in order]
-        if not cols or not rows:
-            continue
-        for path in order[min(cols) + 1:max(rows)]:
-            m = modules.get(path)
-            if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-                out.append(f"{path} (p={m.p})")
-    return list(dict.fromkeys(out))
-
-
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout,
-             torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
-
-
-def _split_functional_dropouts(ref: nn.Module, mini: SimpleNamespace, forward: Any) -> list[str]:
-    """Dropout called as a function (``F.dropout`` on attention weights, ``scaled_dot_product_attention``
-    with ``dropout_p > 0``: Hugging Face's attention), with p > 0 in a training forward, between a
-    column layer of a group and its row layer: ``module.function (p=...)``. Found by one forward of
-    ``ref`` in training mode without gradients (the verification runs in eval mode, where these
-    draw nothing; ``forward(module)`` runs it on the unit's inputs); a dropout module's own call is
-    :func:`_split_dropouts`'s."""
-    from torch.overrides import TorchFunctionMode
-
-    kinds = {layer.path: (layer.kind, layer.group) for layer in mini.tp_layers
-             if layer.kind in ("column", "row") and not layer.output_layer}
-    if not kinds:
-        return []
-    stack: list[str] = []
-    open_groups: set[str] = set()  # groups whose column layer has run and whose row layer has not
-    found: list[str] = []
-
-    def enter(path: str, module: nn.Module) -> None:
-        stack.append(path)
-        kind, group = kinds.get(path, (None, None))
-        if kind == "column":
-            open_groups.add(group)
-        elif kind == "row":
-            open_groups.discard(group)
-
-    class Probe(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func in _DROPOUTS:
-                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-                training = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
-            elif func is F.scaled_dot_product_attention:
-                p, training = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0), True
-            else:
-                p, training = 0.0, False
-            where = stack[-1] if stack else ""
-            inside_module = isinstance(modules.get(where), nn.modules.dropout._DropoutNd)
-            if p and training and open_groups and not inside_module:
-                found.append(f"{where or '<root>'} calls {getattr(func, '__name__', func)} (p={p})")
-            return func(*args, **kwargs)
-
-    modules = dict(ref.named_modules())
-    def leave(module: nn.Module, args: Any, out: Any) -> None:
-        stack.pop()
-
-    hooks = [m.register_forward_pre_hook(lambda mod, a, p_=p_: enter(p_, mod)) for p_, m in modules.items()]
-    hooks += [m.register_forward_hook(leave) for m in modules.values()]
-    device = run_device(ref)
-    ref.train()
-    try:  # the caller's generators as they were: the probe's draws are not the user's
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), Probe():
-            forward(ref)
-    except Exception:  # noqa: BLE001 - a model that cannot run in training mode here draws nothing we can see
-        pass
-    finally:
-        ref.eval()
-        for h in hooks:
-            h.remove()
-    return list(dict.fromkeys(found))
 
 
 def _working_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -111,6 +111,7 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
         offloaded = set(plan.offloaded_chunks)
         self.chunks = [Chunk(c, members[c.index], self.stage, index, lazy, offload=c.index in offloaded) for c in plan.chunks]
         self.offloaded = any(c.offloaded for c in self.chunks)
+        self._frozen = [c for c in self.chunks if not c.trainable]  # what refuse_unfrozen looks at
         self.param_offset: dict[int, int] = {}  # element offset of each parameter in its chunk
         for chunk in self.chunks:
             for prm, off in chunk.params:
@@ -433,8 +434,8 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
         Raises:
             ShardingError: naming the parameter (on every rank that unfroze it: the ranks run
                 the same code)."""
-        for chunk in self.chunks:  # (a frozen chunk's parameters: most models have none)
-            if not chunk.trainable and any(prm.requires_grad for prm, _ in chunk.params):
+        for chunk in self._frozen:  # (every forward: most models have none)
+            if any(prm.requires_grad for prm, _ in chunk.params):
                 woken = {id(prm) for prm, _ in chunk.params if prm.requires_grad}
                 name = next(n for n, prm in self.model.named_parameters(remove_duplicate=False) if id(prm) in woken)
                 raise ShardingError(
