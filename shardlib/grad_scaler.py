@@ -119,11 +119,14 @@ class GradScaler:
                 "weights: build the model in fp32 and shard it with param_dtype=torch.float16"
             )
         inv = self._scale.double().reciprocal().float()
+        mesh = getattr(getattr(optimizer, "smodel", None), "mesh", None)
         finite = [torch.isfinite(g).all() for g in grads if g.numel()]  # on the gradients' device: no sync yet
-        found = (~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)
+        # on the mesh's device for the collective, also on a rank holding no gradient (a pipeline
+        # stage of frozen parameters): NCCL rejects the CPU tensor torch.zeros(1) would be
+        found = ((~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)).to(
+            mesh.device if mesh is not None else None)
         for g in grads:
             g.mul_(inv.to(device=g.device, dtype=g.dtype))
-        mesh = getattr(getattr(optimizer, "smodel", None), "mesh", None)
         if mesh is not None and mesh.size() > 1:
             raw_all_reduce(found, mesh, tuple(mesh.axis_names), op="max")  # one decision for every rank
         state["found_inf"] = bool(found.item())

@@ -467,3 +467,31 @@ def test_stage0_with_a_mixed_and_a_plain_chunk():
         for name in s0:
             torch.testing.assert_close(s0[name].float(), s3[name].float(), rtol=2e-2, atol=1e-3)
             assert s0[name].abs().sum() > 0, name
+
+
+def test_grad_scaler_hands_the_mesh_device_to_its_all_reduce_on_a_rank_without_gradients(monkeypatch):
+    """Regression (NCCL only): on a rank holding no gradient (every parameter of its pipeline
+    stage frozen) unscale_ all-reduced ``torch.zeros(1)``, a CPU tensor, which NCCL rejects.
+    A mesh on ``meta`` stands in for cuda:0; the all-reduce records the device it was given."""
+    import types
+
+    import shardlib.grad_scaler as gs
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def all_reduce(t, mesh, axes, op):
+        seen.append(t.device)
+        raise Stop  # a meta tensor has no value for .item()
+
+    monkeypatch.setattr(gs, "raw_all_reduce", all_reduce)
+    mesh = types.SimpleNamespace(device=torch.device("meta"), axis_names=("pp", "dp"), size=lambda: 4)
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    for params in ([], list(frozen.parameters())):  # no parameter; parameters without gradients
+        opt = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        opt.smodel = types.SimpleNamespace(mesh=mesh)
+        with pytest.raises(Stop):
+            gs.GradScaler().unscale_(opt)
+    assert seen == [torch.device("meta")] * 2, seen
