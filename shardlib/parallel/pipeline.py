@@ -259,10 +259,11 @@ class PipelineRunner:
                 f"microbatch takes the same rows of x and of every label. Fix: give x and the labels the same rows "
                 f"(shardlib.distribute each of them with smodel.batch_spec)"
             )
-        if x.shape[0] % m:
+        if x.shape[0] % m or not x.shape[0]:
             raise ShardingError(
-                f"forward_backward: the local batch of {x.shape[0]} rows does not split into {m} equal microbatches. "
-                f"Fix: a local batch divisible by {m}"
+                f"{'forward_backward' if backward else 'evaluate'}: the local batch of {x.shape[0]} rows (shape "
+                f"{tuple(x.shape)}) does not split into {m} equal microbatches of at least one row. Fix: a local batch "
+                f"of a positive multiple of {m} rows"
             )
         plan = self.smodel.plan
         if plan.sequence_parallel:  # every rank, before any transfer (the split itself is on the first stage)
@@ -343,14 +344,26 @@ class PipelineRunner:
                 if a.kind == "F":
                     if a.stage == 0:
                         inp = xs[mb]
-                    else:
-                        inp = inbox.pop(Message(ACTIVATION, a.stage - 1, mb)).requires_grad_(backward)
+                    else:  # a float activation takes a gradient; token ids or a mask cannot
+                        inp = inbox.pop(Message(ACTIVATION, a.stage - 1, mb))
+                        inp.requires_grad_(backward and (inp.is_floating_point() or inp.is_complex()))
                     start = time.perf_counter()  # compute only: waiting for the input is idle time
+                    # the stage sees a non-leaf alias of the received leaf, as a layer's output is in one
+                    # process: an in-place op first (ReLU(inplace=True)) raised on a leaf needing a gradient
+                    run_inp = _Received.apply(inp) if inp.requires_grad else inp
                     if drawing:
                         with drops.forward(mb):
-                            out = self.smodel(self.chunk_of[a.stage], inp)
+                            out = self.smodel(self.chunk_of[a.stage], run_inp)
                     else:
-                        out = self.smodel(self.chunk_of[a.stage], inp)
+                        out = self.smodel(self.chunk_of[a.stage], run_inp)
+                    del run_inp
+                    if a.stage != last and not isinstance(out, torch.Tensor):
+                        raise ShardingError(
+                            f"pipeline step: stage {a.stage} returned a {type(out).__name__}, but a transfer between "
+                            "stages carries one tensor (as torch.distributed.pipelining's stages pass on positional "
+                            "tensors). Fix: return one tensor from the layer ending this stage (concatenate a mask or "
+                            "recompute it in the next stage), or cut the stages where one tensor flows"
+                        )
                     if a.stage == last:
                         loss = criterion(out, *[y[mb] for y in ys])
                         losses[mb] = loss.detach()
@@ -437,6 +450,20 @@ class PipelineRunner:
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
             if before is not None:
                 grad.add_(before)
+
+
+class _Received(torch.autograd.Function):
+    """Identity from a received stage input (a leaf) to the tensor the stage computes on: a
+    non-leaf alias of the same storage (no copy), so an in-place op first in the stage works as
+    on a layer's output in one process; the gradient passes to the leaf unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def _queue_output(outbox: dict, shapes: dict, msg: Message, out: torch.Tensor) -> None:
