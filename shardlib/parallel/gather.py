@@ -38,6 +38,7 @@ from torch import nn
 from ..mesh.collectives import raw_all_gather
 from ..mesh.eager import eager
 from .chunk import Chunk, set_on_access
+from .saved import Saved, keep, take
 
 __all__ = ["ParameterGathering"]
 
@@ -243,7 +244,7 @@ class ParameterGathering:
             return t
         chunk = self._storage_ptr.get(t.untyped_storage().data_ptr())
         if chunk is None or t.untyped_storage().nbytes() == 0:
-            return t
+            return keep(t)  # with its version: hooks skip autograd's in-place check (see .saved)
         return (_SavedChunkView, chunk, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
     @eager
@@ -253,7 +254,7 @@ class ParameterGathering:
             self._backward_touch(chunk)
             base = chunk.full if chunk.full.dtype == dtype else chunk.full.view(dtype)
             return base.as_strided(shape, stride, offset)
-        return packed
+        return take(packed) if isinstance(packed, Saved) else packed
 
 
 class _SavedChunkView:

@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .saved import Saved, check_version, keep, take
+
 __all__ = ["ActivationOffload", "OffloadStats", "activation_offload", "current_activation_offload", "OptimizerOffload"]
 
 _ACTIVE: list["ActivationOffload"] = []  # activation_offload() contexts, innermost last
@@ -80,10 +82,10 @@ class OffloadStats:
 class _Kept:
     """A saved activation left on the device (counted by storage while autograd holds it)."""
 
-    __slots__ = ("t", "owner", "key", "__weakref__")
+    __slots__ = ("t", "owner", "key", "version", "__weakref__")
 
     def __init__(self, owner: "ActivationOffload", t: torch.Tensor):
-        self.t, self.owner = t, owner
+        self.t, self.owner, self.version = t, owner, t._version  # (autograd's in-place check: .saved)
         self.key = t.untyped_storage().data_ptr()
         owner._hold_device(self.key, t.untyped_storage().nbytes())
 
@@ -94,10 +96,14 @@ class _Kept:
 class _Offloaded:
     """A saved activation copied to host memory; ``get()`` brings it back to its device."""
 
-    __slots__ = ("host", "device", "event", "owner", "nbytes", "loaded", "loaded_event", "seq", "__weakref__")
+    __slots__ = ("host", "device", "event", "owner", "nbytes", "loaded", "loaded_event", "seq", "source", "version",
+                 "__weakref__")
 
     def __init__(self, owner: "ActivationOffload", t: torch.Tensor, seq: int):
         self.owner, self.device, self.seq = owner, t.device, seq
+        # autograd's in-place check (.saved) while the device tensor lives on; once freed it can
+        # change no more, and the host copy holds its value at pack time
+        self.source, self.version = weakref.ref(t), t._version
         self.loaded = None
         self.loaded_event = None
         self.event = None
@@ -129,6 +135,9 @@ class _Offloaded:
             self.loaded_event.record(stream)
 
     def get(self) -> torch.Tensor:
+        source = self.source()
+        if source is not None:
+            check_version(source, self.version)
         if self.device.type != "cuda":
             return self.host
         self.prefetch()
@@ -254,13 +263,13 @@ class ActivationOffload:
         def pack(t: torch.Tensor):
             if inner_pack is not None:
                 packed = inner_pack(t)
-                if packed is not t:
+                if packed is not t and not isinstance(packed, Saved):  # (Saved: the tensor as it is)
                     return _Inner(packed)
             if not self._offloadable(t, exclude):
-                return t
+                return keep(t)
             nbytes = t.numel() * t.element_size()
             if nbytes < self.min_bytes:
-                return t
+                return keep(t)
             seen = self._seen.get(id(t))
             if seen is not None and seen[0]() is t:
                 holder = seen[1]()
@@ -286,6 +295,7 @@ class ActivationOffload:
             if isinstance(packed, _Inner):
                 return inner_unpack(packed.value)
             if isinstance(packed, _Kept):
+                check_version(packed.t, packed.version)
                 return packed.t
             if isinstance(packed, _Offloaded):
                 for k in range(1, self.prefetch_depth + 1):  # backward runs roughly in reverse save order
@@ -293,7 +303,7 @@ class ActivationOffload:
                     if nxt is not None:
                         nxt.prefetch()
                 return packed.get()
-            return packed
+            return take(packed) if isinstance(packed, Saved) else packed
 
         return pack, unpack
 
