@@ -340,3 +340,106 @@ def test_activation_peak_falls():
             smodel(x[:, :-1], x[:, 1:])[1].backward()
         peaks[ac] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")][Ref.ACT]
     assert peaks["full"] < 0.5 * peaks["selective"] and peaks["selective"] < 0.85 * peaks[None], peaks
+
+
+class _BufferBlock(nn.Module):
+    """A block whose forward changes buffers: BatchNorm's statistics (updated by its kernel with
+    no version bump), a counter read after its in-place update, and a buffer assigned anew."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(h, h), nn.BatchNorm1d(h), nn.Linear(h, h)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen = self.seen + x.detach().mean()
+        return x + self.fc2(F.gelu(self.bn(self.fc1(x)))) * (1 + 0.1 * self.calls) + 0.01 * self.seen
+
+
+class _PlainBlock(nn.Module):
+    """A block with nothing a recompute must restore (no buffer, no dropout)."""
+
+    def __init__(self, h=8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, h), nn.Linear(h, h)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class _BufferNet(nn.Module):
+    def __init__(self, block=None):
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList((block or _BufferBlock)() for _ in range(2))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).pow(2).mean()
+
+
+def _buffer_steps(model, smodel=None, steps=3, run=None):
+    """Three SGD steps on fixed batches (through ``smodel`` and a ZeroOptimizer when given);
+    the state (parameters and buffers) and the last gradients."""
+    opt = (shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1) if smodel is not None else
+           torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        opt.zero_grad()
+        step = run if run is not None else smodel if smodel is not None else model
+        step(torch.randn(6, 4, generator=g, dtype=torch.float64)).backward()
+        grads = (shardlib.full_grads(smodel) if smodel is not None else
+                 {n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    state = shardlib.full_state_dict(smodel) if smodel is not None else model.state_dict()
+    return {k: v.clone() for k, v in state.items()}, grads
+
+
+@pytest.mark.parametrize("zero_stage,compiled", [(0, False), (3, False), (0, True)], ids=["zero0", "zero3", "compiled"])
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_a_recompute_leaves_the_buffers_as_the_forward_left_them(ac, zero_stage, compiled):
+    """Regression (a new user's pass): each recompute ran the block's buffer updates again, so
+    BatchNorm's num_batches_tracked and a counter read 6 after 3 steps and the running statistics
+    took two momentum steps per step (0.07 off), silently, while the parameters stayed exact.
+    Now buffers, gradients and parameters equal the run without checkpointing (float64, the same
+    ops; measured difference 0), also under torch.compile (a compiled recompute counted 6: the
+    blocks holding buffers run eagerly, with these contexts)."""
+    torch.manual_seed(0)
+    plain_state, plain_grads = _buffer_steps(_BufferNet().double())
+    mesh = shardlib.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_BufferNet().double(), mesh, zero_stage=zero_stage, activation_checkpointing=ac)
+    state, grads = _buffer_steps(None, smodel, run=torch.compile(smodel, backend="aot_eager") if compiled else None)
+    assert state["blocks.0.calls"].item() == 3 and state["blocks.1.bn.num_batches_tracked"].item() == 3, state
+    for name, value in plain_state.items():
+        assert torch.allclose(state[name], value, rtol=0, atol=1e-12), (name, state[name], value)
+    for name, value in plain_grads.items():
+        assert torch.allclose(grads[name], value, rtol=0, atol=1e-12), name
+
+
+def _compiled_plain_blocks(ac):
+    mesh = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(_BufferNet(_PlainBlock).double(), mesh, zero_stage=1, activation_checkpointing=ac)
+    return _buffer_steps(None, smodel, run=torch.compile(smodel, backend="aot_eager"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_compiled_activation_checkpointing_on_two_ranks_equals_one_process(ac):
+    """Regression (a new user's pass): torch.compile of a dp=2 ZeRO-1 model with
+    activation_checkpointing raised in AOT autograd ("context_fn ... must generate a tuple of two
+    TorchDispatchMode"): shardlib's recompute contexts went to a compiled checkpoint. Blocks
+    with nothing to restore now compile with torch's own. float64; each rank's batch is the
+    whole batch, so the mean over ranks is one process's step (measured difference 0)."""
+    torch.manual_seed(0)
+    plain_state, plain_grads = _buffer_steps(_BufferNet(_PlainBlock).double())
+    for state, grads in run_on(2, _compiled_plain_blocks, ac):
+        for name, value in plain_state.items():
+            assert torch.allclose(state[name], value, rtol=0, atol=1e-12), name
+        for name, value in plain_grads.items():
+            assert torch.allclose(grads[name], value, rtol=0, atol=1e-12), name

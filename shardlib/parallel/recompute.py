@@ -33,6 +33,12 @@ the parameters), keeping every module path and parameter name. What it composes 
 - mesh-independent dropout (:class:`~shardlib.random.MeshDropout`): the recompute sets each
   dropout module's counter and microbatch back to where the forward had them, so it draws the
   forward's masks.
+- buffers the forward changes (BatchNorm's running statistics and ``num_batches_tracked``, a
+  counter): the recompute reads them as the forward did and leaves them as they were
+  (:class:`_Buffers`; plain ``torch.utils.checkpoint`` updates them a second time).
+- ``torch.compile``: a block whose recompute needs none of the above compiles with torch's own
+  checkpoint contexts; any other runs eagerly inside the compiled model (a graph break), since
+  torch.compile takes no other contexts.
 """
 
 from __future__ import annotations
@@ -195,15 +201,83 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if name in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _Replay:
-    """The recompute context of one checkpointed call: the dropout counters of the forward, and
-    under ZeRO-3 the chunks of the module and its submodules gathered the backward way. Entered
-    once per recompute (a second backward through a retained graph recomputes again)."""
+class _Buffers:
+    """The forward context of one checkpointed call, and the module's buffers around its
+    recompute: the recompute reads them as the forward read them and leaves them as the forward
+    left them. Without it every recompute updated them a second time, as torch.utils.checkpoint
+    does: BatchNorm's running statistics took two momentum steps per step and
+    ``num_batches_tracked`` counted each step twice.
 
-    def __init__(self, chunks: list, dropouts: list, zero: Any, cache: Any = None):
-        self.chunks, self.dropouts, self.zero, self.cache = chunks, dropouts, zero, cache
+    The forward keeps a copy of the module's persistent buffers (BatchNorm's kernel updates its
+    statistics without bumping their version counter, so only a copy tells; such buffers are
+    small: statistics, counters) and notes any other buffer it changed by assignment or a
+    versioned in-place op, copied before each later forward (``learned``). The recompute sets
+    them back to those values (:meth:`rewind`) and puts the current ones back after it
+    (:meth:`restore`)."""
+
+    def __init__(self, module: nn.Module, learned: set, inner: Any = None):
+        self.module, self.learned, self.inner = module, learned, inner
+        self.before: dict = {}  # (module, name) -> (tensor, version, copy or None) at the forward's start
+
+    def __enter__(self):
+        for m in self.module.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    keep = name not in m._non_persistent_buffers_set or (id(m), name) in self.learned
+                    self.before[(m, name)] = (b, b._version, b.detach().clone() if keep else None)
+        if self.inner is not None:
+            self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.inner is not None:
+            self.inner.__exit__(*exc)
+        kept = {}
+        for (m, name), (b, version, copy) in self.before.items():
+            if m._buffers.get(name) is not b or b._version != version:
+                self.learned.add((id(m), name))
+            elif copy is None:
+                continue  # an unchanged non-persistent buffer (a causal mask): nothing to restore
+            kept[(m, name)] = (b, version, copy)
+        self.before = kept
+        return False
+
+    def rewind(self) -> list:
+        """Before a recompute: each buffer as before the forward; returns the current ones for
+        :meth:`restore`."""
+        after = []
+        for (m, name), (old, _, copy) in self.before.items():
+            now = m._buffers.get(name)
+            after.append((m, name, now, now.detach().clone() if now is not None else None))
+            if now is not old:  # assigned: the old tensor holds the value before the forward
+                m._buffers[name] = old
+            elif copy is not None:
+                with torch.autograd._unsafe_preserve_version_counter(old):
+                    old.copy_(copy)
+        return after
+
+    @staticmethod
+    def restore(after: list) -> None:
+        """After a recompute: the buffers as they were before it (version counters kept, so a
+        tensor the recompute saved for backward is not taken as changed in place)."""
+        for m, name, tensor, value in after:
+            m._buffers[name] = tensor
+            if value is not None:
+                with torch.autograd._unsafe_preserve_version_counter(tensor):
+                    tensor.copy_(value)
+
+
+class _Replay:
+    """The recompute context of one checkpointed call: the dropout counters of the forward, the
+    buffers it changed (:class:`_Buffers`), and under ZeRO-3 the chunks of the module and its
+    submodules gathered the backward way. Entered once per recompute (a second backward through
+    a retained graph recomputes again)."""
+
+    def __init__(self, chunks: list, dropouts: list, zero: Any, cache: Any = None, buffers: _Buffers | None = None):
+        self.chunks, self.dropouts, self.zero, self.cache, self.buffers = chunks, dropouts, zero, cache, buffers
         self.saved = [(d.calls, d.microbatch) for d in dropouts]  # taken when the forward runs
         self.now: list = []
+        self.after: list = []
 
     def __enter__(self):
         # every chunk the recompute uses, before it starts: a gather inside it would run ops the
@@ -214,6 +288,7 @@ class _Replay:
         for d, (calls, micro) in zip(self.dropouts, self.saved):
             d.calls, d.microbatch = calls, micro
             d.replaying += 1
+        self.after.append(self.buffers.rewind() if self.buffers is not None else [])
         if self.cache is not None:
             self.cache.__enter__()
         return self
@@ -221,19 +296,32 @@ class _Replay:
     def __exit__(self, *exc):
         if self.cache is not None:
             self.cache.__exit__(*exc)
+        _Buffers.restore(self.after.pop())
         for d, (calls, micro) in zip(self.dropouts, self.now.pop()):
             d.calls, d.microbatch = calls, micro
             d.replaying -= 1
         return False
 
 
-def _contexts(chunks: list, mode: str, dropouts: list, zero: Any):
-    if mode == "selective":  # the gathers and the counters first, outside the op cache
+def _contexts(module: nn.Module, learned: set, chunks: list, mode: str, dropouts: list, zero: Any):
+    forward, recompute = None, None
+    if mode == "selective":  # the gathers, the counters and the buffers first, outside the op cache
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
-        return forward, _Replay(chunks, dropouts, zero, recompute)
-    return contextlib.nullcontext(), _Replay(chunks, dropouts, zero)
+    buffers = _Buffers(module, learned, forward)
+    return buffers, _Replay(chunks, dropouts, zero, recompute, buffers)
+
+
+def _compiled_contexts(mode: str) -> dict:
+    """``checkpoint``'s keywords under ``torch.compile``, which takes torch's own contexts only
+    (none, or the selective pair of ``TorchDispatchMode``): the compiled backward recomputes
+    from the traced graph, where buffer updates are applied once and nothing is gathered."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if mode == "selective":
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+    return {}  # (dynamo recognizes torch's default only when no context_fn is passed)
 
 
 def _refuse_cache(path: str, kwargs: dict) -> None:
@@ -255,18 +343,33 @@ def _checkpointed(module: nn.Module, path: str, mode: str, zero: Any) -> Callabl
     dropouts = [m for m in module.modules() if isinstance(m, MeshDropout)]
     # ZeRO-3: the chunks of the module and its submodules, descending (backward's gather order)
     chunks = {c.index: c for m in module.modules() for c in (zero.module_chunks(m) if zero is not None else ())}
-    contexts = functools.partial(_contexts, [chunks[i] for i in sorted(chunks, reverse=True)], mode, dropouts, zero)
+    ordered = [chunks[i] for i in sorted(chunks, reverse=True)]
+    buffered = [f"{p}.{n}" if p else n for p, m in module.named_modules() for n, b in m._buffers.items()
+                if b is not None and n not in m._non_persistent_buffers_set]
+    contexts = functools.partial(_contexts, module, set(), ordered, mode, dropouts, zero)
+    # under torch.compile, which takes torch's own contexts only: compiled with them when the
+    # recompute needs none of ours, else this call runs eagerly (a graph break), with ours; a
+    # compiled recompute updated BatchNorm's statistics a second time (ZeRO-3's gathers break
+    # the graph anyway)
+    compiled = _compiled_contexts(mode) if not (ordered or buffered or dropouts) else None
+
+    def run(how: dict, args: tuple, kwargs: dict):
+        # the module's keywords bound here: checkpoint() would take debug=, determinism_check=, ...
+        # as its own. No early stop: the recompute runs the whole forward, so its collectives
+        # are the forward's (torch stops after the last saved tensor, which depends on the model)
+        return checkpoint(functools.partial(inner, **kwargs) if kwargs else inner, *args, use_reentrant=False,
+                          early_stop=False, **how)
+
+    eager = torch.compiler.disable(run)
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
         _refuse_cache(path, kwargs)
-        # the module's keywords bound here: checkpoint() would take debug=, determinism_check=, ...
-        # as its own. No early stop: the recompute runs the whole forward, so its collectives
-        # are the forward's (torch stops after the last saved tensor, which depends on the model)
-        return checkpoint(functools.partial(inner, **kwargs) if kwargs else inner, *args, use_reentrant=False,
-                          context_fn=contexts, early_stop=False)
+        if torch.compiler.is_compiling():
+            return run(compiled, args, kwargs) if compiled is not None else eager({"context_fn": contexts}, args, kwargs)
+        return run({"context_fn": contexts}, args, kwargs)
 
     return forward
 
