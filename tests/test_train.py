@@ -143,6 +143,31 @@ def test_checkpoint_dir_of_another_run_is_refused_and_rotation_removes_only_chec
     assert not fake.exists()
 
 
+def test_resume_from_a_checkpoint_itself_or_from_a_folder_of_other_files_is_refused(tmp_path):
+    """Regression (a new user's pass): checkpoint.dir=ck/step_000004 with resume found no
+    checkpoint in it, started again at step 0 (only a log line said so) and saved
+    ck/step_000004/step_000006 inside it, which keep_last could then never remove. A folder of
+    the user's files with resume likewise trained from scratch and saved among them."""
+    step = tmp_path / "ck" / "step_000004"
+    step.mkdir(parents=True)
+    (step / checkpoint.MARKER).write_text(json.dumps(dict(format=1, time=1.0)))
+    resume = lambda d: load_config(None, [f"checkpoint.dir={str(d)!r}", "checkpoint.resume=True"]).checkpoint
+    with pytest.raises(ConfigError, match=r"step_000004', which is a checkpoint itself, not a folder of them.*"
+                                          rf"Fix: --set checkpoint.dir={tmp_path / 'ck'} "):
+        Checkpoints(resume(step), 6)
+    assert sorted(os.listdir(step)) == [checkpoint.MARKER]
+    Checkpoints(resume(tmp_path / "ck"), 6)  # the folder of checkpoints: fine
+    Checkpoints(resume(tmp_path / "new"), 6)  # nothing there yet: a first run, fine
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds notes.txt but no checkpoint of this tool"):
+        Checkpoints(resume(mine), 6)
+    (mine / "notes.txt").unlink()
+    (mine / "step_000002.partial").mkdir()  # a run killed in its first save: the tool's own, fine
+    Checkpoints(resume(mine), 6)
+
+
 # -- metrics ----------------------------------------------------------------------------------
 
 def test_metrics_file_is_written_as_it_goes_and_never_replaced(tmp_path):
@@ -342,6 +367,26 @@ def _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight):
     # relative on the curve test's meshes; 2e-6 is ten times the worst loss deviation seen there
     assert got["val_loss"] == pytest.approx(straight[-1]["val_loss"], rel=2e-6)
     assert "val loss" in out
+
+
+def _eval_with_another_global_batch(folder):
+    from shardlib.eval import open_checkpoint, validation_loss
+    from shardlib.train import train
+
+    ck = os.path.join(folder, "ck")
+    train(load_config(DEFAULT, [*SMALL, "train.steps=2", f"checkpoint.dir={ck!r}", f"train.out_dir={folder!r}"]),
+          log=lambda *_: None)
+    run = open_checkpoint(load_config(DEFAULT, [*SMALL, "train.global_batch=4"]), ck, log=lambda *_: None)
+    return validation_loss(run)
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_is_evaluated_with_another_global_batch(tmp_path):
+    """Regression (a new user's pass): shardlib.eval refused a checkpoint trained with global
+    batch 8 at 4 as if it resumed ("the resumed run would not continue on the next batch"), so a
+    mesh whose data size does not divide the training batch could not evaluate it at all."""
+    got = run_on(1, _eval_with_another_global_batch, str(tmp_path))[0]
+    assert got["step"] == 2 and math.isfinite(got["val_loss"]), got
 
 
 def _curve(shape, extra=()):

@@ -47,7 +47,9 @@ def open_checkpoint(cfg: Any, ckpt: str, log=print):
 
     path = _checkpoint_path(ckpt)
     cfg = type(cfg)({**cfg, "checkpoint": {**cfg.checkpoint, "dir": None, "resume": False, "interval": 0}})
-    return setup(cfg, log=log, load=path, verbose=False)
+    # any global batch: an evaluation continues no data position (the training's, on a mesh
+    # whose data size does not divide it, was refused as a resume)
+    return setup(cfg, log=log, load=path, verbose=False, continue_data=False)
 
 
 def validation_loss(run: Any) -> dict[str, Any]:

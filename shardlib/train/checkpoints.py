@@ -54,11 +54,37 @@ class Checkpoints:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         names = sorted(os.listdir(self.dir)) if os.path.isdir(self.dir) else []
+        if self.resume:
+            self._check_resume_folder(names)
         if names and not self.resume:
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ConfigError(f"config key 'checkpoint.dir' is {self.dir!r}, which already holds {shown} (an earlier "
                               f"run?): this run's checkpoints would replace or mix with them. Fix: --set "
                               f"checkpoint.resume=True to continue that run, or another checkpoint.dir")
+
+    def _check_resume_folder(self, names: list[str]) -> None:
+        """``resume`` from a folder that is a checkpoint itself, or that holds only entries the
+        tool did not write: nothing to resume from, so the run would start at step 0 and put its
+        checkpoints in there (inside a checkpoint, which keep_last then can no longer remove).
+
+        Raises:
+            ConfigError: either case, naming the folder and what it holds."""
+        from ..checkpoint._files import OLD, PARTIAL
+
+        if os.path.lexists(os.path.join(self.dir, checkpoint.MARKER)):
+            parent = os.path.dirname(os.path.normpath(self.dir)) or "."
+            raise ConfigError(
+                f"config key 'checkpoint.dir' is {self.dir!r}, which is a checkpoint itself, not a folder of them: "
+                "checkpoint.resume would find none in it, start at step 0 and save inside it. Fix: --set "
+                f"checkpoint.dir={parent} (resume takes the newest checkpoint there)")
+        ours = [n for n in names if _NAME.match(n.removesuffix(PARTIAL).removesuffix(OLD))]
+        if names and not ours:
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise ConfigError(
+                f"config key 'checkpoint.dir' is {self.dir!r}, which holds {shown} but no checkpoint of this tool "
+                "(step_NNNNNN): checkpoint.resume has nothing to resume from, and this run's checkpoints would mix "
+                "with those files. Fix: --set checkpoint.dir= an empty or new folder (or the folder of the run's "
+                "step_NNNNNN checkpoints)")
 
     def latest(self) -> str | None:
         """The checkpoint to resume from: the newest finished one in ``dir`` when ``resume``, else None."""

@@ -131,7 +131,8 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def setup(cfg: Config, world_size: int | None = None, log=print, load: str | None = None, verbose: bool = True) -> Run:
+def setup(cfg: Config, world_size: int | None = None, log=print, load: str | None = None, verbose: bool = True,
+          continue_data: bool = True) -> Run:
     """Check ``cfg``, make the mesh, build, plan and shard the model, make the optimizer, and
     load a checkpoint (every rank; under ``torchrun``).
 
@@ -142,6 +143,8 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
         load: a checkpoint to load (model and optimizer, resharded onto this mesh); None: the
             newest one in ``checkpoint.dir`` when ``checkpoint.resume``, else none.
         verbose: print the corpus, the model and the plan (rank 0).
+        continue_data: take the checkpoint's data position (refusing another seed, global batch
+            or sequence length); False for an evaluation, which trains on no further batch.
 
     Raises:
         ConfigError: what :func:`~shardlib.train.build.check_run` and
@@ -200,7 +203,8 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
         run.start, run.resumed_from = int(extra["step"]), path
-        batches.load_state_dict(extra["data"])
+        if continue_data:
+            batches.load_state_dict(extra["data"])
         wanted = dict(betas=tuple(o.betas), weight_decay=o.weight_decay)  # the config's win over the checkpoint's
         changed = {}
         for group in optimizer.param_groups:
