@@ -317,39 +317,53 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
         ``(missing, unexpected)`` key lists, as ``nn.Module.load_state_dict``.
 
     Raises:
-        RuntimeError: with ``strict``, a missing or unexpected key, or a shape that differs
-            from the parameter's global shape.
+        RuntimeError: with ``strict``, a missing or unexpected key (on a pipeline the other
+            stages' keys are expected, as :func:`full_state_dict` gives them); a shape that
+            differs from a parameter's global shape or a buffer's. Raised before anything is
+            written.
     """
     smodel = _require_sharded(smodel, "load_full_state_dict")
     plan, zero = smodel.plan, smodel._zero
     coords = plan.coords()
-    known = set()
-    missing = []
+    # a pipeline's full_state_dict holds every stage's tensors: the other stages' are expected
+    shapes = {n: tuple(s.shape) for s in (getattr(smodel, "model_state_names", None) or ()) for n in s.names}
+    known = set(shapes)
+    missing, writes = [], []
+    # every rank checks every stage's shapes: a rank refusing alone left the others loaded
+    wrong = [f"{k} has shape {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
+             if k in shapes and tuple(v.shape) != shapes[k]]
     for pp in plan.params:
         names = (pp.name,) + pp.aliases
         known.update(names)
         name = next((n for n in names if n in state_dict), None)
         if name is None:
             missing.append(pp.name)
-            continue
-        full = state_dict[name]
-        if tuple(full.shape) != pp.global_shape:
-            raise RuntimeError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, expected {pp.global_shape}")
+        elif tuple(state_dict[name].shape) != pp.global_shape:
+            if name not in shapes:
+                wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {pp.global_shape}")
+        else:
+            writes.append((pp, state_dict[name]))
+    buffers = dict(smodel.module.named_buffers())
+    persistent = persistent_buffers(smodel.module)
+    for name, buf in buffers.items():
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(buf.shape):  # (copy_ broadcast it)
+            if name not in shapes:
+                wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {tuple(buf.shape)}")
+        elif name not in state_dict and name in persistent:
+            missing.append(name)
+    unexpected = [k for k in state_dict if k not in known and k not in buffers]
+    if wrong:  # every check before the first write: a refused load leaves the model as it was
+        raise RuntimeError(f"load_full_state_dict: {'; '.join(wrong)}")
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    for pp, full in writes:
         local = full
         if pp.tp_axis is not None:
             pieces = pp.tp_pieces(dict(plan.mesh_shape), coords)
             local = torch.cat([full.narrow(pp.tp_dim, start, width) for start, width in pieces], dim=pp.tp_dim)
-        flat = local.reshape(-1)
         c, off = plan.placement[pp.name]
-        zero.write_full(zero.chunks[c], off, flat)  # master shard and compute copy
-    buffers = dict(smodel.module.named_buffers())
-    persistent = persistent_buffers(smodel.module)
+        zero.write_full(zero.chunks[c], off, local.reshape(-1))  # master shard and compute copy
     for name, buf in buffers.items():
         if name in state_dict:
             buf.copy_(state_dict[name])
-        elif name in persistent:
-            missing.append(name)
-    unexpected = [k for k in state_dict if k not in known and k not in buffers]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     return missing, unexpected

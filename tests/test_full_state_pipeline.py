@@ -87,3 +87,54 @@ def test_pipeline_full_state_dict_moves_tensors_not_pickles(shape, zero_stage):
             # only rank 0's pp partner sends, its whole stage; pp groups without rank 0 exchange nothing
             assert rank0["sent"] == (r["stage_bytes"] if r["rank0_group"] else 0)
         assert rank0["broadcast"] == 0 and rank0["objects"] == every["objects"] + r["rank0_group"]
+
+
+class _Scaled(torch.nn.Module):
+    """GPT with a persistent buffer of shape (8,)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = GPT(_config())
+        self.register_buffer("scale", torch.ones(8))
+
+
+def _round_trip_worker():
+    """A pipeline's full_state_dict loaded back with strict=True (it raised: the other stage's
+    keys were "unexpected" after this stage's were written); a buffer of the wrong shape (it
+    was broadcast by copy_) and a parameter of the wrong shape are refused before any write."""
+    mesh = shardlib.init_mesh({"pp": 2})
+    torch.manual_seed(0)
+    smodel = shardlib.shard(GPT(_config()), mesh, microbatches=2)
+    state = shardlib.full_state_dict(smodel)
+    changed = {k: v + 1 for k, v in state.items()}
+    out = {"round trip": smodel.load_state_dict(changed, strict=True)}
+    after = shardlib.full_state_dict(smodel)
+    out["equal"] = all(torch.equal(after[k], changed[k]) for k in changed)
+    out["extra"] = smodel.load_state_dict({**changed, "not.a.key": torch.zeros(1)}, strict=False)[1]
+    bad = dict(changed)
+    first = next(iter(bad))
+    bad[first] = torch.zeros(1, *bad[first].shape)
+    try:
+        smodel.load_state_dict({k: v - 1 for k, v in bad.items()})
+    except RuntimeError as e:
+        out["bad parameter"] = str(e)
+    out["unchanged"] = all(torch.equal(v, changed[k]) for k, v in shardlib.full_state_dict(smodel).items())
+    dp = shardlib.init_mesh({"dp": 2})
+    torch.manual_seed(0)
+    scaled = shardlib.shard(_Scaled(), dp)
+    full = shardlib.full_state_dict(scaled)
+    try:
+        scaled.load_state_dict({**full, "scale": torch.full((1,), 5.0)})
+    except RuntimeError as e:
+        out["bad buffer"] = str(e)
+    out["buffer kept"] = scaled.module.scale.tolist()
+    return out
+
+
+def test_a_pipeline_loads_its_full_state_dict_strictly_and_wrong_shapes_change_nothing():
+    for out in run_on(2, _round_trip_worker):
+        assert out["round trip"] == ([], []) and out["equal"], out
+        assert out["extra"] == ["not.a.key"], out
+        assert "has shape (1, " in out["bad parameter"] and out["unchanged"], out
+        assert out["bad buffer"] == "load_full_state_dict: scale has shape (1,), expected (8,)", out
+        assert out["buffer kept"] == [1.0] * 8, out
