@@ -80,6 +80,8 @@ def test_batches_are_addressed_by_index_and_resume_on_the_next_one():
     (["train.seq_len=100", "model.block_size=64"], 1, r"'train.seq_len' \(100\) is longer than 'model.block_size'"),
     (["optim.decay='step'"], 1, "the decays are: cosine, linear, constant"),
     (["optim.min_lr=1.0", "optim.lr=0.1"], 1, "0 <= min_lr <= lr"),
+    (["optim.betas=[0.9]"], 1, r"'optim.betas' must be two numbers in \[0, 1\).*got \[0.9\]"),  # (torch's IndexError)
+    (["optim.betas=(0.9, 1.5)"], 1, r"'optim.betas' must be two numbers"),
     (["train.param_dtype='half'"], 1, "'train.param_dtype' must be 'bfloat16'"),
     (["model.n_embd=100", "model.n_head=3"], 1, "n_embd must be divisible by n_head"),
     (["model.builder='palm'", "parallel.mesh={'tp': 2}"], 2, r"'model.n_kv_head' \(1\) is not divisible by the tp"),
@@ -166,6 +168,16 @@ def test_resume_from_a_checkpoint_itself_or_from_a_folder_of_other_files_is_refu
     (mine / "notes.txt").unlink()
     (mine / "step_000002.partial").mkdir()  # a run killed in its first save: the tool's own, fine
     Checkpoints(resume(mine), 6)
+    # two runs started on one empty folder: the second to save a step another wrote is told so
+    # (the checkpoint package's message suggested overwrite=True, which the tool does not have)
+    shared = tmp_path / "shared"
+    second = Checkpoints(load_config(None, [f"checkpoint.dir={str(shared)!r}"]).checkpoint, 6)  # empty at its start
+    (shared / "step_000004").mkdir(parents=True)  # the first run's save
+    (shared / "step_000004" / checkpoint.MARKER).write_text(json.dumps(dict(format=1, time=1.0)))
+    with pytest.raises(checkpoint.CheckpointError, match="holds step_000004, which this run .* did not write: another "
+                                                         "run saves into the same folder. It is kept"):
+        second.save(4, None, None, {}, True)
+    assert sorted(os.listdir(shared / "step_000004")) == [checkpoint.MARKER]
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -201,6 +213,8 @@ def test_an_out_dir_with_another_runs_metrics_is_refused_before_the_mesh(tmp_pat
         _out_dir(load_config(None, [f"train.out_dir={str(tmp_path)!r}", f"checkpoint.dir={str(ck)!r}",
                                     "checkpoint.resume=True"]), None)
     assert _out_dir(load_config(None, []), "configs/x.py").startswith(os.path.join("runs", "x-"))
+    with pytest.raises(ConfigError, match="'train.out_dir' is '': a folder, or None"):  # (no metrics were written)
+        _out_dir(load_config(None, ["train.out_dir=''"]), None)
 
 
 def test_relative_output_folders_that_do_not_exist_yet_are_fine(tmp_path, monkeypatch):

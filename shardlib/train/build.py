@@ -232,6 +232,10 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
     if not o.lr > 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"config keys 'optim.lr' and 'optim.min_lr' must satisfy 0 <= min_lr <= lr and lr > 0, got "
                           f"lr={o.lr}, min_lr={o.min_lr}")
+    betas = tuple(o.betas)
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"config key 'optim.betas' must be two numbers in [0, 1) (AdamW's beta1, beta2), got "
+                          f"{o.betas!r}")
     if o.warmup_steps < 0:  # longer than the run is allowed: the rate then never reaches optim.lr
         raise ConfigError(f"config key 'optim.warmup_steps' must be >= 0, got {o.warmup_steps}")
     if o.grad_clip is not None and not o.grad_clip > 0:

@@ -100,6 +100,11 @@ class Checkpoints:
         not write is kept, with a warning). A checkpoint of the same step
         is replaced only on a resumed run (it repeats the steps after the one it resumed from)."""
         path = os.path.join(self.dir, f"step_{step:06d}")
+        if not self.resume and os.path.lexists(os.path.join(path, checkpoint.MARKER)):  # every rank sees it
+            raise checkpoint.CheckpointError(
+                f"checkpoint.dir {self.dir!r} holds step_{step:06d}, which this run (started on an empty folder, "
+                "without resume) did not write: another run saves into the same folder. It is kept. Fix: give each "
+                "run its own checkpoint.dir")
         checkpoint.save(path, smodel, optimizer, extra=extra, overwrite=self.resume)
         if is_main and self.keep_last:
             for old in self.saved()[:-self.keep_last]:

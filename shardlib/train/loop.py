@@ -245,6 +245,9 @@ def _out_dir(cfg: Config, config_path: str | None) -> str:
     from ..checkpoint._files import check_parent
 
     if cfg.train.out_dir is not None:
+        if not cfg.train.out_dir.strip():  # (no metrics.jsonl was written, and nothing said so)
+            raise ConfigError(f"config key 'train.out_dir' is {cfg.train.out_dir!r}: a folder, or None for a new "
+                              "runs/<config>-<date-time>")
         out = os.path.expanduser(cfg.train.out_dir)
         if os.path.lexists(out) and not os.path.isdir(out):
             raise ConfigError(f"config key 'train.out_dir' is {out!r}, which is not a folder")
