@@ -109,6 +109,18 @@ def test_steps_are_compared():
     assert "Steps: rank 0 is in step 3, rank 1 finished step 2." in text
 
 
+def test_a_rank_that_exited_raising_is_named_with_its_error():
+    """A rank whose uncaught exception ended it (its exit record carries it) was said to have
+    "exited normally" while torchrun reported it failed (a new user's pass)."""
+    r0 = [_rec(i, step=i // 2) for i in range(5)]
+    states = {0: _state(0, "waiting", r0, r0[-1], step=2),
+              1: dict(_state(1, "exited", r0[:4], step=2), raised="ValueError: labels of 7 rows")}
+    text = analyze(states, 2)[2]
+    assert "rank 1 (h, pid 101): finished step 2; its process exited raising ValueError: labels of 7 rows (its own " \
+           "error is the cause)" in text, text
+    assert "exited normally" in analyze({**states, 1: _state(1, "exited", r0[:4], step=2)}, 2)[2]
+
+
 def test_evicted_records_are_left_out():
     r0 = [_rec(i) for i in range(100, 110)]
     r1 = [_rec(i) for i in range(0, 105)] + [_rec(105, kind="broadcast")]

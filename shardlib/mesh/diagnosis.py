@@ -147,6 +147,8 @@ def _now(s: dict) -> str:
             return f"{who}: {done}its function {how} (its own error is the cause) and it issues no more collectives"
         return f"{who}: {done}its function returned and it issues no more collectives"
     if st == "exited":
+        if s.get("raised"):
+            return f"{who}: {done}its process exited raising {s['raised']} (its own error is the cause)"
         return f"{who}: {done}its process exited normally"
     last = s.get("records") or []
     tail = f"; its last collective was {format_record(last[-1])} in step {last[-1]['step'] + 1}" if last else ""

@@ -86,9 +86,10 @@ class Peers:
             return False
         return self.local(info) and proc_status(info["pid"]) == "gone"
 
-    def record_exit(self, step: int, records: list) -> None:
-        """This rank's exit record (its last step and collectives), for the others' diagnosis."""
-        self.store.set(f"{_RANK}/{self.rank}/exit", json.dumps({"step": step, "records": records}))
+    def record_exit(self, step: int, records: list, raised: str | None = None) -> None:
+        """This rank's exit record (its last step and collectives, and the uncaught exception it
+        exits with, ``"Type: message"``, if any), for the others' diagnosis."""
+        self.store.set(f"{_RANK}/{self.rank}/exit", json.dumps({"step": step, "records": records, "raised": raised}))
 
     def probe(self, rank: int, keep: int) -> dict:
         """The state of a rank that did not answer: from its exit record, else from its pid and
@@ -100,7 +101,7 @@ class Peers:
             if self.store.check([key]):
                 done = json.loads(self.store.get(key))
                 return {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "exited",
-                        "step": done.get("step", 0), "records": done.get("records")}
+                        "step": done.get("step", 0), "records": done.get("records"), "raised": done.get("raised")}
         except Exception:  # noqa: BLE001 - the store itself may be gone with its host
             pass
         state = {"rank": rank, "host": info.get("host"), "pid": info.get("pid"), "status": "silent", "step": 0,

@@ -424,8 +424,12 @@ class Watchdog:
         # exception", SIGABRT after the last step: 2 of 71 two-rank runs under load)
         self._stop.set()
         self._thread.join(timeout=2 * _POLL + 1)
+        # an exception nothing caught (the interpreter printed it and set sys.last_value before
+        # the exit handlers): the others then name it, not "exited normally"
+        err = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        raised = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}" if err is not None else None
         try:
-            self.peers.record_exit(self.trace.step, self.trace.records(_RECORDS))
+            self.peers.record_exit(self.trace.step, self.trace.records(_RECORDS), raised)
         except Exception:  # noqa: BLE001
             pass
 
