@@ -127,13 +127,3 @@ def test_train_hf_gemma_pipeline_x_tensor_parallel(tmp_path):
     assert "Pipeline over 'pp' (2 ranks x 1 chunks = 2 stages), schedule 1f1b, 4 microbatches" in out
     assert "tensor parallelism verified exact on" in out
     _losses(out)
-
-
-@pytest.mark.multiprocess
-def test_train_hf_mixtral_tensor_parallel(tmp_path):
-    """Mixtral (4 experts, top-2; router and experts replicated inside the tensor-parallel region)
-    on tp=2 (2 ranks: the composition with ZeRO over dp is Qwen3's and Gemma's case above)."""
-    out = _train_hf(tmp_path, "--model", "mixtral", "--mesh", "tp=2", nproc=2)
-    assert "model: MixtralForCausalLM" in out and "experts.gate_up_proj" in out
-    assert "tensor parallelism verified exact on" in out
-    _losses(out)
