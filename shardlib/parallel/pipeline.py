@@ -357,13 +357,8 @@ class PipelineRunner:
                     else:
                         out = self.smodel(self.chunk_of[a.stage], run_inp)
                     del run_inp
-                    if a.stage != last and not isinstance(out, torch.Tensor):
-                        raise ShardingError(
-                            f"pipeline step: stage {a.stage} returned a {type(out).__name__}, but a transfer between "
-                            "stages carries one tensor (as torch.distributed.pipelining's stages pass on positional "
-                            "tensors). Fix: return one tensor from the layer ending this stage (concatenate a mask or "
-                            "recompute it in the next stage), or cut the stages where one tensor flows"
-                        )
+                    if a.stage != last:
+                        _refuse_non_tensor(a.stage, out)
                     if a.stage == last:
                         loss = criterion(out, *[y[mb] for y in ys])
                         losses[mb] = loss.detach()
@@ -450,6 +445,19 @@ class PipelineRunner:
             raw_all_reduce(grad, self.mesh, self.axis)  # in place: a view into the chunk's gradients
             if before is not None:
                 grad.add_(before)
+
+
+def _refuse_non_tensor(stage: int, out: Any) -> None:
+    """Raise when stage ``stage`` (not the last) returned something other than one tensor.
+
+    Raises:
+        ShardingError: naming the stage and the type (a tuple raised AttributeError on .detach)."""
+    if not isinstance(out, torch.Tensor):
+        raise ShardingError(
+            f"pipeline step: stage {stage} returned a {type(out).__name__}, but a transfer between stages carries one "
+            "tensor (as torch.distributed.pipelining's stages pass on positional tensors). Fix: return one tensor from "
+            "the layer ending this stage (concatenate a mask or recompute it in the next stage), or cut the stages "
+            "where one tensor flows")
 
 
 class _Received(torch.autograd.Function):
