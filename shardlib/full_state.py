@@ -326,32 +326,26 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
     plan, zero = smodel.plan, smodel._zero
     coords = plan.coords()
     # a pipeline's full_state_dict holds every stage's tensors: the other stages' are expected
-    shapes = {n: tuple(s.shape) for s in (getattr(smodel, "model_state_names", None) or ()) for n in s.names}
-    known = set(shapes)
+    shapes = {n: tuple(s.shape) for s in smodel.model_state_names for n in s.names}  # parameters, persistent buffers
     missing, writes = [], []
     # every rank checks every stage's shapes: a rank refusing alone left the others loaded
     wrong = [f"{k} has shape {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
              if k in shapes and tuple(v.shape) != shapes[k]]
     for pp in plan.params:
-        names = (pp.name,) + pp.aliases
-        known.update(names)
-        name = next((n for n in names if n in state_dict), None)
+        name = next((n for n in (pp.name,) + pp.aliases if n in state_dict), None)
         if name is None:
             missing.append(pp.name)
-        elif tuple(state_dict[name].shape) != pp.global_shape:
-            if name not in shapes:
-                wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {pp.global_shape}")
-        else:
+        elif tuple(state_dict[name].shape) == pp.global_shape:  # (another shape is in wrong: shapes has every name)
             writes.append((pp, state_dict[name]))
     buffers = dict(smodel.module.named_buffers())
     persistent = persistent_buffers(smodel.module)
     for name, buf in buffers.items():
-        if name in state_dict and tuple(state_dict[name].shape) != tuple(buf.shape):  # (copy_ broadcast it)
-            if name not in shapes:
-                wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {tuple(buf.shape)}")
+        if name in state_dict and name not in shapes and tuple(state_dict[name].shape) != tuple(buf.shape):
+            # a non-persistent buffer (copy_ broadcast another shape)
+            wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {tuple(buf.shape)}")
         elif name not in state_dict and name in persistent:
             missing.append(name)
-    unexpected = [k for k in state_dict if k not in known and k not in buffers]
+    unexpected = [k for k in state_dict if k not in shapes and k not in buffers]
     if wrong:  # every check before the first write: a refused load leaves the model as it was
         raise RuntimeError(f"load_full_state_dict: {'; '.join(wrong)}")
     if strict and (missing or unexpected):

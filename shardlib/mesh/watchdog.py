@@ -427,7 +427,7 @@ class Watchdog:
         # an exception nothing caught (the interpreter printed it and set sys.last_value before
         # the exit handlers): the others then name it, not "exited normally"
         err = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        raised = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}" if err is not None else None
+        raised = None if err is None else f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
         try:
             self.peers.record_exit(self.trace.step, self.trace.records(_RECORDS), raised)
         except Exception:  # noqa: BLE001

@@ -273,8 +273,8 @@ class _Replay:
     submodules gathered the backward way. Entered once per recompute (a second backward through
     a retained graph recomputes again)."""
 
-    def __init__(self, chunks: list, dropouts: list, zero: Any, cache: Any = None, buffers: _Buffers | None = None):
-        self.chunks, self.dropouts, self.zero, self.cache, self.buffers = chunks, dropouts, zero, cache, buffers
+    def __init__(self, chunks: list, dropouts: list, zero: Any, buffers: _Buffers, cache: Any = None):
+        self.chunks, self.dropouts, self.zero, self.buffers, self.cache = chunks, dropouts, zero, buffers, cache
         self.saved = [(d.calls, d.microbatch) for d in dropouts]  # taken when the forward runs
         self.now: list = []
         self.after: list = []
@@ -288,7 +288,7 @@ class _Replay:
         for d, (calls, micro) in zip(self.dropouts, self.saved):
             d.calls, d.microbatch = calls, micro
             d.replaying += 1
-        self.after.append(self.buffers.rewind() if self.buffers is not None else [])
+        self.after.append(self.buffers.rewind())
         if self.cache is not None:
             self.cache.__enter__()
         return self
@@ -310,7 +310,7 @@ def _contexts(module: nn.Module, learned: set, chunks: list, mode: str, dropouts
 
         forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
     buffers = _Buffers(module, learned, forward)
-    return buffers, _Replay(chunks, dropouts, zero, recompute, buffers)
+    return buffers, _Replay(chunks, dropouts, zero, buffers, recompute)
 
 
 def _compiled_contexts(mode: str) -> dict:
@@ -344,8 +344,8 @@ def _checkpointed(module: nn.Module, path: str, mode: str, zero: Any) -> Callabl
     # ZeRO-3: the chunks of the module and its submodules, descending (backward's gather order)
     chunks = {c.index: c for m in module.modules() for c in (zero.module_chunks(m) if zero is not None else ())}
     ordered = [chunks[i] for i in sorted(chunks, reverse=True)]
-    buffered = [f"{p}.{n}" if p else n for p, m in module.named_modules() for n, b in m._buffers.items()
-                if b is not None and n not in m._non_persistent_buffers_set]
+    buffered = any(b is not None and n not in m._non_persistent_buffers_set
+                   for m in module.modules() for n, b in m._buffers.items())
     contexts = functools.partial(_contexts, module, set(), ordered, mode, dropouts, zero)
     # under torch.compile, which takes torch's own contexts only: compiled with them when the
     # recompute needs none of ours, else this call runs eagerly (a graph break), with ours; a
