@@ -230,6 +230,9 @@ def _collectives_worker():
     ring = [(i, (i + 1) % 4) for i in range(4)]
     check("ppermute_ring_world", lambda x: ppermute(x, ("dp", "tp"), ring), (3,), (3,))
     check("ppermute_partial_tp", lambda x: ppermute(x, "tp", [(0, 1)]), (3,), (3,))
+    # a transposed input, and a gradient arriving through a transpose: gloo refused the strided
+    # receive buffer (the peer waited for the watchdog), forward and backward
+    check("ppermute_ring_world_strided", lambda x: ppermute(x.t(), ("dp", "tp"), ring).t(), (2, 3), (2, 3))
 
     # Two all_gathers whose outputs are added receive the same gradient tensor in backward.
     x1 = _inp(r, (1, 3)).requires_grad_(True)
@@ -249,6 +252,25 @@ def _collectives_worker():
     except RuntimeError as exc:
         out["max_backward_error"] = str(exc)
 
+    # On an axis of size 1 each collective still returns a tensor of its own: an in-place op on
+    # the output leaves the input as it was, as on the size-2 axes above (it changed it)
+    one = shardlib.init_mesh({"dp": 2, "tp": 2, "one": 1})
+    untouched = {}
+    for name, fn in {
+        "all_reduce": lambda t: all_reduce(t, "one", mesh=one),
+        "all_gather": lambda t: all_gather(t, "one", 0, mesh=one),
+        "reduce_scatter": lambda t: reduce_scatter(t, "one", 0, mesh=one),
+        "all_to_all": lambda t: all_to_all(t, "one", 0, 1, mesh=one),
+        "ppermute": lambda t: ppermute(t, "one", [(0, 0)], mesh=one),
+        "all_gather_tp": lambda t: all_gather(t, "tp", 0, mesh=one),
+    }.items():
+        x = torch.ones(2, 2)
+        y = fn(x)
+        y.add_(1)
+        untouched[name] = x.eq(1).all().item()
+    out["size_one_outputs_leave_the_input_alone"] = untouched
+    mesh = shardlib.init_mesh(MESH)
+
     # Bad calls fail before communicating.
     mesh.comm.reset()
     errors = {}
@@ -258,6 +280,7 @@ def _collectives_worker():
         "unknown_axis": lambda: all_reduce(torch.ones(1), "pp"),
         "ppermute_bad_perm": lambda: ppermute(torch.ones(1), "tp", [(0, 1), (1, 1)]),
         "bad_op": lambda: all_reduce(torch.ones(1), "tp", op="prod"),
+        "avg_of_integers": lambda: all_reduce(torch.ones(2, dtype=torch.int64), "tp", op="avg"),
     }.items():
         try:
             fn()
@@ -323,6 +346,12 @@ def _expected(r):
         {("dp+tp", "send"): (1, 3.0 * B)},
         {("dp+tp", "send"): (1, 3.0 * B)},
     )
+    exp["ppermute_ring_world_strided"] = (
+        _inp((r - 1) % 4, (2, 3)),
+        w((r + 1) % 4, (2, 3)),
+        {("dp+tp", "send"): (1, 6.0 * B)},
+        {("dp+tp", "send"): (1, 6.0 * B)},
+    )
     zeros = torch.zeros(3, dtype=torch.float64)
     exp["ppermute_partial_tp"] = (
         _inp(tpg[0], (3,)) if tp == 1 else zeros,  # index 0 -> 1; index 0 receives nothing
@@ -358,6 +387,7 @@ NAMES = [
     "all_to_all_tp",
     "ppermute_ring_world",
     "ppermute_partial_tp",
+    "ppermute_ring_world_strided",
 ]
 
 
@@ -391,6 +421,13 @@ def test_all_gather_backward_does_not_clobber_a_shared_gradient(collectives):
 
 
 @pytest.mark.multiprocess
+def test_an_axis_of_size_one_returns_a_new_tensor_from_every_collective(collectives):
+    for r, res in enumerate(collectives):
+        got = res["size_one_outputs_leave_the_input_alone"]
+        assert got == dict.fromkeys(got, True) and len(got) == 6, f"rank {r}: {got}"
+
+
+@pytest.mark.multiprocess
 def test_all_reduce_max(collectives):
     expected = torch.stack([_inp(q, (3,)) for q in range(4)]).amax(0)
     for res in collectives:
@@ -412,6 +449,12 @@ def test_bad_collective_calls_fail_before_communicating(collectives):
         assert errors["unknown_axis"] == ("ShardingError", "axis 'pp' is not in the mesh {'dp': 2, 'tp': 2}; its axes are ['dp', 'tp']")
         assert errors["ppermute_bad_perm"][0] == "ShardingError" and "partial permutation of 0..1" in errors["ppermute_bad_perm"][1]
         assert errors["bad_op"][0] == "ValueError" and "'prod'" in errors["bad_op"][1]
+        # it used to communicate, then fail in the division with torch's cast error
+        assert errors["avg_of_integers"] == (
+            "TypeError",
+            "all_reduce(op='avg') needs a floating-point tensor, got torch.int64 of shape (2,): the mean of "
+            "integers is not an integer. Fix: convert x to a float dtype, or use op='sum' and divide",
+        )
         assert res["calls_after_errors"] == 0
         assert res["after"] == 4.0
 

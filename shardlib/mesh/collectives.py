@@ -57,12 +57,20 @@ def _mesh(mesh: Mesh | None) -> Mesh:
 def _own(t: torch.Tensor) -> torch.Tensor:
     """An autograd function's output as a tensor of its own: not a view of a buffer made in its
     forward (``movedim``, a reshape of the received pieces) nor its input returned as it was
-    (size-1 axes, ``pvary``), either of which makes an in-place op on the output raise ("Output 0
+    (``pvary``; size-1 axes go through :func:`_result`), either of which makes an in-place op on the output raise ("Output 0
     of _ReduceScatter is a view and is being modified inplace": Falcon's ``mlp_output +=
     attention_output`` after a bias-free row layer under sequence parallelism). No copy: the
     storage is shared, and so is the version counter, so autograd still sees an in-place change
     of an input that something saved."""
     return t.detach()
+
+
+def _result(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A collective's output for the caller: :func:`_own`, and a copy where the collective had
+    nothing to do and returned its input (an axis of size 1). The output of every collective is a
+    new tensor at every axis size: an in-place op on it must not change ``x`` at tp=1 and leave it
+    alone at tp=2 (the same SPMD code would compute different values on the two meshes)."""
+    return y.clone() if y is x else _own(y)
 
 
 def _inverse(where: list[int]) -> list[int]:
@@ -146,7 +154,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, dim):
         ctx.mesh, ctx.names, ctx.dim = mesh, names, dim
-        return _own(_gather(x, mesh, names, dim))
+        return _result(_gather(x, mesh, names, dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -157,7 +165,7 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, dim):
         ctx.mesh, ctx.names, ctx.dim = mesh, names, dim
-        return _own(_scatter(x, mesh, names, dim))
+        return _result(_scatter(x, mesh, names, dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -193,7 +201,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, split_dim, concat_dim):
         ctx.args = (mesh, names, split_dim, concat_dim)
-        return _own(_all_to_all(x, mesh, names, split_dim, concat_dim))
+        return _result(_all_to_all(x, mesh, names, split_dim, concat_dim), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -206,9 +214,12 @@ def _ppermute(x, mesh, names, perm):
     n = mesh.size(names)
     ranks = mesh.axis_ranks(names)
     me = mesh.index(names)
+    # contiguous first: the receive buffer takes ``x``'s strides, and a transposed input (or a
+    # gradient arriving through a transpose in backward) made gloo refuse it ("input tensor has to
+    # be contiguous") on the receiving rank while its peer waited
+    x = x.contiguous()
     out = torch.zeros_like(x)
     ops = []
-    x = x.contiguous()
     rec, _ = begin(mesh, names, "ppermute", x, 0, "")
     for src, dst in perm:
         if src == me and dst == me:
@@ -227,7 +238,7 @@ class _PPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, names, perm):
         ctx.args = (mesh, names, [(d, s) for s, d in perm])
-        return _own(_ppermute(x, mesh, names, perm))
+        return _result(_ppermute(x, mesh, names, perm), x)
 
     @staticmethod
     def backward(ctx, g):
@@ -250,7 +261,7 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | Non
         ``1/N`` for ``"avg"``), since the cotangent of a reduced value is replicated (JAX).
 
     Raises:
-        TypeError: ``x`` is not a tensor.
+        TypeError: ``x`` is not a tensor, or ``op="avg"`` on an integer or bool tensor.
         ValueError: an unknown ``op``.
         ShardingError: an axis the mesh does not have, or one named twice.
         All on every rank, before any communication.
@@ -259,6 +270,11 @@ def all_reduce(x: torch.Tensor, axis: Axis, op: str = "sum", *, mesh: Mesh | Non
     _check_tensor("all_reduce", x)
     if not isinstance(op, str) or op not in _OPS:
         raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
+    if op == "avg" and not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(
+            f"all_reduce(op='avg') needs a floating-point tensor, got {x.dtype} of shape {tuple(x.shape)}: "
+            "the mean of integers is not an integer. Fix: convert x to a float dtype, or use op='sum' and divide"
+        )
     return _AllReduce.apply(x, mesh, _names(mesh, axis), op)
 
 
