@@ -106,7 +106,8 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class CollectiveDeviceError(RuntimeError):
     """A tensor handed to ``torch.distributed`` is not on the mesh's communication device
-    (:attr:`shardlib.Mesh.device`: CUDA on NCCL, which rejects CPU tensors). Raised before the
+    (:attr:`shardlib.Mesh.device`: CUDA on NCCL, which rejects CPU tensors), or is not
+    contiguous (NCCL's collectives reject it, its sends and receives misread it). Raised before the
     call is issued, in check mode (``SHARDLIB_CHECK_COLLECTIVES=1``, on in the tests), naming
     the call, the tensor and the call site: a shardlib bug, or a tensor of the user's on the
     wrong device."""

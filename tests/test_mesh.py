@@ -233,6 +233,11 @@ def _collectives_worker():
     # a transposed input, and a gradient arriving through a transpose: gloo refused the strided
     # receive buffer (the peer waited for the watchdog), forward and backward
     check("ppermute_ring_world_strided", lambda x: ppermute(x.t(), ("dp", "tp"), ring).t(), (2, 3), (2, 3))
+    # all_reduce of a transposed input, pvary's all-reduce of a gradient through a transpose: gloo
+    # reduces a strided tensor, NCCL refuses it ("Tensors must be contiguous"); check mode refuses
+    # what NCCL refuses, so these raised CollectiveDeviceError here before
+    check("all_reduce_sum_tp_strided", lambda x: all_reduce(x.t(), "tp").t(), (2, 3), (2, 3))
+    check("pvary_tp_strided", lambda x: pvary(x.t(), "tp").t(), (2, 3), (2, 3))
 
     # Two all_gathers whose outputs are added receive the same gradient tensor in backward.
     x1 = _inp(r, (1, 3)).requires_grad_(True)
@@ -289,6 +294,13 @@ def _collectives_worker():
             errors[name] = (type(exc).__name__, str(exc))
     out["errors"] = errors
     out["calls_after_errors"] = mesh.comm.calls()
+    from shardlib.mesh.collectives import raw_all_reduce
+
+    try:  # the layer under the public collectives: check mode stops a strided tensor before NCCL would
+        raw_all_reduce(torch.ones(3, 2).t(), mesh, ("tp",))
+        errors["raw_strided"] = None
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        errors["raw_strided"] = (type(exc).__name__, str(exc))
     # The ranks are still in step: one more collective works.
     out["after"] = all_reduce(torch.ones(1), ("dp", "tp")).item()
     return out
@@ -346,6 +358,9 @@ def _expected(r):
         {("dp+tp", "send"): (1, 3.0 * B)},
         {("dp+tp", "send"): (1, 3.0 * B)},
     )
+    exp["all_reduce_sum_tp_strided"] = (
+        sum(_inp(q, (2, 3)) for q in tpg), w(r, (2, 3)), ar("tp", 2, 6 * B), {})
+    exp["pvary_tp_strided"] = (_inp(r, (2, 3)), sum(w(q, (2, 3)) for q in tpg), {}, ar("tp", 2, 6 * B))
     exp["ppermute_ring_world_strided"] = (
         _inp((r - 1) % 4, (2, 3)),
         w((r + 1) % 4, (2, 3)),
@@ -388,6 +403,8 @@ NAMES = [
     "ppermute_ring_world",
     "ppermute_partial_tp",
     "ppermute_ring_world_strided",
+    "all_reduce_sum_tp_strided",
+    "pvary_tp_strided",
 ]
 
 
@@ -449,6 +466,9 @@ def test_bad_collective_calls_fail_before_communicating(collectives):
         assert errors["unknown_axis"] == ("ShardingError", "axis 'pp' is not in the mesh {'dp': 2, 'tp': 2}; its axes are ['dp', 'tp']")
         assert errors["ppermute_bad_perm"][0] == "ShardingError" and "partial permutation of 0..1" in errors["ppermute_bad_perm"][1]
         assert errors["bad_op"][0] == "ValueError" and "'prod'" in errors["bad_op"][1]
+        name, message = errors["raw_strided"]
+        assert name == "CollectiveDeviceError" and "was given a tensor of shape (2, 3) (float32) with strides (1, 2), " \
+            "not contiguous" in message and "Fix: pass t.contiguous()" in message, errors["raw_strided"]
         # it used to communicate, then fail in the division with torch's cast error
         assert errors["avg_of_integers"] == (
             "TypeError",

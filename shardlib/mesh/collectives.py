@@ -126,7 +126,7 @@ class _AllReduce(torch.autograd.Function):
     def forward(ctx, x, mesh, names, op):
         ctx.scale = 1.0 / mesh.size(names) if op == "avg" else 1.0
         ctx.op = op
-        y = x.clone()
+        y = x.clone(memory_format=torch.contiguous_format)  # NCCL reduces contiguous tensors only
         raw_all_reduce(y, mesh, names, op=op)
         return y
 
@@ -145,7 +145,7 @@ class _PVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.clone()
+        g = g.clone(memory_format=torch.contiguous_format)  # a gradient through a transpose is strided
         raw_all_reduce(g, ctx.mesh, ctx.names)
         return g, None, None
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .mesh import Mesh
 
-__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_devices", "native_all_gather", "native_reduce_scatter"]
+__all__ = ["Handle", "begin", "post", "wait_works", "finish", "done_handle", "check_tensors", "native_all_gather", "native_reduce_scatter"]
 
 _OP_NAMES = ("sum", "max", "min", "avg")  # the order of raw._OPS: an op's index is its id in the check
 
@@ -158,12 +158,16 @@ def post(mesh: Mesh, fn, *args, **kwargs):
     Every ``torch.distributed`` call of shardlib goes through here. With
     ``SHARDLIB_CHECK_COLLECTIVES=1`` (on in the tests) each tensor argument (in a list, or a
     ``P2POp``'s, too) must be on :attr:`Mesh.device` (NCCL rejects a CPU tensor; a dry run's
-    device is ``meta``, so CPU tests catch a call site that allocates without ``device=``).
+    device is ``meta``, so CPU tests catch a call site that allocates without ``device=``) and
+    contiguous (NCCL's collectives reject a strided tensor, "Tensors must be contiguous", where
+    gloo's accept one; its point-to-point operations only warn and move the raw memory, so a
+    strided send or receive buffer scrambles the values).
 
     Raises:
-        CollectiveDeviceError: a tensor on another device (check mode), before it is issued."""
+        CollectiveDeviceError: a tensor on another device, or not contiguous (check mode),
+            before it is issued."""
     if mesh.trace.check:
-        check_devices(mesh, fn, args, kwargs)
+        check_tensors(mesh, fn, args, kwargs)
     try:
         return fn(*args, **kwargs)
     except RuntimeError as exc:
@@ -184,23 +188,37 @@ def _tensors(value):
         yield value.tensor
 
 
-def check_devices(mesh: Mesh, fn, args, kwargs) -> None:
+def _contiguous(t: torch.Tensor) -> bool:
+    """NCCL's test (``is_contiguous(suggest_memory_format())``): contiguous, or channels-last."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+
+
+def check_tensors(mesh: Mesh, fn, args, kwargs) -> None:
     """Raise :class:`~shardlib.errors.CollectiveDeviceError` when a tensor among ``args`` /
-    ``kwargs`` of the ``torch.distributed`` call ``fn`` is not on ``mesh.device``."""
+    ``kwargs`` of the ``torch.distributed`` call ``fn`` is not on ``mesh.device`` or is not
+    contiguous (NCCL's own check: contiguous in the tensor's suggested memory format, so a
+    channels-last tensor passes)."""
     want = mesh.device
     for t in _tensors(list(args) + list(kwargs.values())):
         if t.device != want:
-            import traceback
+            rule = (f"on {t.device}, but the mesh {mesh.shape} communicates on {want} (backend {mesh.backend}; NCCL "
+                    "takes CUDA tensors only)", "allocate it with device=mesh.device")
+        elif not _contiguous(t):
+            rule = (f"with strides {t.stride()}, not contiguous (NCCL refuses it in a collective, and in a send or "
+                    "receive moves its raw memory as if it were contiguous)", "pass t.contiguous()")
+        else:
+            continue
+        import traceback
 
-            from ..errors import CollectiveDeviceError
+        from ..errors import CollectiveDeviceError
 
-            site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}"
-                         for f in reversed(traceback.extract_stack()[:-2]) if "/mesh/guard.py" not in f.filename), "?")
-            raise CollectiveDeviceError(
-                f"torch.distributed.{getattr(fn, '__name__', fn)} was given a tensor of shape {tuple(t.shape)} "
-                f"({str(t.dtype).replace('torch.', '')}) on {t.device}, but the mesh {mesh.shape} communicates on "
-                f"{want} (backend {mesh.backend}; NCCL takes CUDA tensors only). Call site: {site}. Fix: allocate "
-                "it with device=mesh.device (SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
+        site = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}"
+                     for f in reversed(traceback.extract_stack()[:-2]) if "/mesh/guard.py" not in f.filename), "?")
+        raise CollectiveDeviceError(
+            f"torch.distributed.{getattr(fn, '__name__', fn)} was given a tensor of shape {tuple(t.shape)} "
+            f"({str(t.dtype).replace('torch.', '')}) {rule[0]}. Call site: {site}. Fix: {rule[1]} "
+            "(SHARDLIB_CHECK_COLLECTIVES=1 made this check)")
 
 
 class Handle:
