@@ -54,7 +54,9 @@ class SharedInput:
     object (same version) the previous one received reuses its result, whose backward then sums
     the gradients of every reader before one all-reduce. Exact by construction, whatever the
     module structure (a norm or residual between the parent's input and the projections simply
-    gives a different tensor, which gets its own operator).
+    gives a different tensor, which gets its own operator). A result is reused only in the mode
+    it was made in: one made without a graph (under ``torch.no_grad()``, or before
+    ``x.requires_grad_()``) would cut the gradient of ``x`` in a later training call.
     """
 
     def __init__(self):
@@ -63,11 +65,11 @@ class SharedInput:
 
     def apply(self, x: torch.Tensor, kind: tuple, fn) -> torch.Tensor:
         """``fn(x)``, or the result of the last call when it was for this very ``x`` and ``kind``."""
-        key = self._key
-        if key is not None and key[0]() is x and key[1] == x._version and key[2] == kind:
+        key, graph = self._key, torch.is_grad_enabled() and x.requires_grad
+        if key is not None and key[0]() is x and key[1:] == (x._version, kind, graph):
             return self._out
         y = fn(x)
-        self._key, self._out = (weakref.ref(x, self._drop), x._version, kind), y
+        self._key, self._out = (weakref.ref(x, self._drop), x._version, kind, graph), y
         return y
 
     def _drop(self, ref: weakref.ref) -> None:
