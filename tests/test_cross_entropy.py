@@ -325,6 +325,21 @@ def test_bad_arguments_raise(kwargs, match):
         vocab_parallel_cross_entropy(torch.zeros(3, 37), torch.zeros(3, dtype=torch.long), mesh=mesh, **kwargs)
 
 
+@pytest.mark.parametrize("logits, target, match", [
+    # a (T, B) target for (B, T, V) logits and an (N, 1) target were paired by flat order, silently
+    ((2, 3, 37), torch.zeros(3, 2, dtype=torch.long), r"target of shape \(3, 2\) does not match logits_local of shape "
+     r"\(2, 3, 37\): it needs one class id per row of logits, shape \(2, 3\)"),
+    ((6, 37), torch.zeros(6, 1, dtype=torch.long), r"target of shape \(6, 1\) does not match"),
+    ((6, 37), torch.zeros(6, 37), "takes class ids .* got torch.float32: class probabilities are not supported"),
+], ids=["transposed", "column", "probabilities"])
+def test_bad_targets_raise_before_communicating(logits, target, match):
+    mesh = shardlib.init_mesh({"tp": 1})
+    mesh.comm.reset()
+    with pytest.raises(ValueError, match=match):
+        vocab_parallel_cross_entropy(torch.zeros(logits), target, mesh=mesh)  # vocab_size=None: an exchange follows
+    assert mesh.comm.calls() == 0
+
+
 # -- the fused path with exchanged widths (the CUDA dispatch, forced on CPU) ---------------------
 
 

@@ -248,7 +248,10 @@ class Llama(nn.Module):
             loss = vocab_parallel_cross_entropy(logits, targets, axis=head.axis, vocab_size=head.out_features,
                                                 mesh=head.mesh)
         else:
-            loss = F.cross_entropy(logits.reshape(B * T, -1).float(), targets.reshape(B * T))
+            # at least fp32 (half-precision logits), as vocab_parallel_cross_entropy computes: a float64
+            # model's loss stays float64 on one process as on the vocabulary-parallel path
+            flat = logits.reshape(B * T, -1)
+            loss = F.cross_entropy(flat.to(torch.promote_types(flat.dtype, torch.float32)), targets.reshape(B * T))
         return logits, loss
 
     def pipeline_layers(self) -> list:

@@ -200,13 +200,25 @@ def vocab_parallel_cross_entropy(
     after backward; ``shardlib.kernels.use_kernels(False)`` restores this torch path).
 
     Raises:
-        ValueError: bad ``reduction`` or ``label_smoothing``; local width not matching the layout.
+        ValueError: bad ``reduction`` or ``label_smoothing``; a target that is not integer or whose
+            shape is not ``logits_local.shape[:-1]``; local width not matching the layout. All
+            before any communication. Class ids outside ``[0, V)`` (other than ``ignore_index``)
+            are not checked (that would cost a host sync): such a row's loss is its logsumexp.
     """
     mesh = mesh if mesh is not None else current_mesh()
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise ValueError(f"vocab_parallel_cross_entropy takes class ids (an integer target), got {target.dtype}: class "
+                         "probabilities are not supported. Fix: pass target.argmax(-1) for one-hot targets")
+    if tuple(target.shape) != tuple(logits_local.shape[:-1]):
+        # it paired logits and targets by flat order: a (T, B) target for (B, T, V) logits gave a loss
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: target of shape {tuple(target.shape)} does not match logits_local of shape "
+            f"{tuple(logits_local.shape)}: it needs one class id per row of logits, shape {tuple(logits_local.shape[:-1])} "
+            "(F.cross_entropy refuses the pair too). Fix: reshape or transpose the target to the logits' leading dims")
     n = mesh.size(axis)
     width = logits_local.shape[-1]
     if vocab_size is None:
