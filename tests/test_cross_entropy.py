@@ -340,6 +340,27 @@ def test_bad_targets_raise_before_communicating(logits, target, match):
     assert mesh.comm.calls() == 0
 
 
+@pytest.mark.parametrize("target", [[0, 37, 1], [0, -1, 1], [0, -101, 1]], ids=["V", "minus_one", "below_ignore"])
+def test_class_ids_outside_the_vocabulary_raise_as_f_cross_entropy_does(target):
+    """A class id outside ``[0, V)`` that is not ``ignore_index``: ``F.cross_entropy`` raises
+    (IndexError on CPU, a device-side assert on CUDA); the vocabulary-parallel loss took the
+    row's logsumexp as its loss, silently (found by a new-user pass: a tokenizer larger than the
+    model's vocabulary trains on). Now an asynchronous assert (no host sync on CUDA) refuses it,
+    before any communication when ``vocab_size`` is given, after the width exchange otherwise."""
+    t = torch.tensor(target)
+    with pytest.raises(IndexError):
+        F.cross_entropy(torch.zeros(3, 37), t)
+    mesh = shardlib.init_mesh({"tp": 1})
+    mesh.comm.reset()
+    with pytest.raises(RuntimeError, match=r"a target class id is outside \[0, V\) and is not ignore_index \(-100\)"):
+        vocab_parallel_cross_entropy(torch.zeros(3, 37), t, vocab_size=37, mesh=mesh)
+    assert mesh.comm.calls() == 0
+    with pytest.raises(RuntimeError, match=r"a target class id is outside \[0, V\)"):
+        vocab_parallel_cross_entropy(torch.zeros(3, 37), t, mesh=mesh)  # V exchanged first
+    assert vocab_parallel_cross_entropy(torch.zeros(3, 37), torch.tensor([0, -100, 36]), vocab_size=37, mesh=mesh) \
+        == pytest.approx(math.log(37))  # ignore_index and both ends of [0, V) are accepted
+
+
 # -- the fused path with exchanged widths (the CUDA dispatch, forced on CPU) ---------------------
 
 

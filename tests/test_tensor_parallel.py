@@ -399,6 +399,24 @@ def test_embeddings_keep_padding_idx(layer_results, mesh_shape):
                     assert not g[0].any(), (case["kind"], rank[i]["coords"])
 
 
+@pytest.mark.parametrize("ids", [[1, 37], [-1, 2]], ids=["V", "minus_one"])
+def test_vocab_parallel_embedding_refuses_ids_outside_the_vocabulary(ids):
+    """``nn.Embedding`` raises for an id outside ``[0, V)`` (IndexError on CPU, a device-side
+    assert on CUDA); ``VocabParallelEmbedding`` gave that token an all-zero row on every rank,
+    silently (found by a new-user pass: a tokenizer larger than the model's vocabulary trained
+    on zero embeddings only when sharded). Now refused by an asynchronous assert (no host sync
+    on CUDA), before the all-reduce."""
+    with pytest.raises(IndexError):
+        nn.Embedding(37, 4)(torch.tensor([ids]))
+    mesh = shardlib.init_mesh({"tp": 1})
+    emb = VocabParallelEmbedding(37, 4, mesh=mesh)
+    mesh.comm.reset()
+    with pytest.raises(RuntimeError, match=r"VocabParallelEmbedding: a token id is outside \[0, 37\)"):
+        emb(torch.tensor([ids]))
+    assert mesh.comm.calls() == 0
+    assert emb(torch.tensor([[0, 36]])).shape == (1, 2, 4)
+
+
 def _mse(out, y):
     return (out - y).pow(2).mean()
 

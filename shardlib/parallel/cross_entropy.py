@@ -202,8 +202,11 @@ def vocab_parallel_cross_entropy(
     Raises:
         ValueError: bad ``reduction`` or ``label_smoothing``; a target that is not integer or whose
             shape is not ``logits_local.shape[:-1]``; local width not matching the layout. All
-            before any communication. Class ids outside ``[0, V)`` (other than ``ignore_index``)
-            are not checked (that would cost a host sync): such a row's loss is its logsumexp.
+            before any communication.
+        RuntimeError: a class id outside ``[0, V)`` other than ``ignore_index``, as
+            ``F.cross_entropy`` refuses it: checked by ``torch._assert_async`` (on CPU at once; on
+            CUDA a device-side assert, with no host sync), before any communication when
+            ``vocab_size`` is given, after the width exchange otherwise.
     """
     mesh = mesh if mesh is not None else current_mesh()
     if reduction not in ("mean", "sum", "none"):
@@ -231,6 +234,12 @@ def vocab_parallel_cross_entropy(
                 f"vocab_parallel_cross_entropy: local logits have width {width} but rank "
                 f"{mesh.index(axis)} of {axis!r} (size {n}) should hold vocabulary [{lo}, {hi}) of {vocab_size}"
             )
+    # F.cross_entropy refuses an id outside [0, V) (IndexError on CPU, a device assert on CUDA);
+    # here it would silently take the row's logsumexp as its loss. Asynchronous: no host sync on CUDA.
+    torch._assert_async(((target >= 0) & (target < vocab) | (target == ignore_index)).all(),
+                        f"vocab_parallel_cross_entropy: a target class id is outside [0, V) and is not ignore_index "
+                        f"({ignore_index}), V = {vocab if isinstance(vocab, int) else 'the summed widths'}. Fix: check the "
+                        "tokenizer's vocabulary against the model's output size")
     flat = logits_local.reshape(target.numel(), width)  # also for an empty vocabulary shard
     eps = float(label_smoothing)
     if _fused_applies(flat):  # CUDA + triton + kernels on: one read of the logits, gradient written in place

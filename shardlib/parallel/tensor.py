@@ -335,6 +335,11 @@ class VocabParallelEmbedding(nn.Module):
     ``seq_dim`` instead (the entry into the sequence-parallel region, Megatron's choice).
 
     Shapes: ids ``(B, T)`` int64 -> ``(B, T, dim)`` (``(B, T / tp, dim)`` sequence-parallel).
+
+    Raises:
+        RuntimeError: an id outside ``[0, num_embeddings)``, as ``nn.Embedding`` refuses it:
+            checked by ``torch._assert_async`` before the all-reduce (on CPU at once; on CUDA a
+            device-side assert, with no host sync).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
@@ -353,6 +358,11 @@ class VocabParallelEmbedding(nn.Module):
         return _from_embedding(cls, emb, mesh, axis, 0, **kwargs)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # nn.Embedding refuses an id outside [0, V) (IndexError on CPU, a device assert on CUDA);
+        # here every rank would give it a zero row, silently. Asynchronous: no host sync on CUDA.
+        torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                            f"VocabParallelEmbedding: a token id is outside [0, {self.num_embeddings}) (nn.Embedding "
+                            "refuses it). Fix: check the tokenizer's vocabulary against the model's vocab_size")
         outside = (ids < self.lo) | (ids >= self.hi)
         if self.hi > self.lo:
             local = (ids - self.lo).clamp(0, self.hi - self.lo - 1)
