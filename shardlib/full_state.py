@@ -313,8 +313,13 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
     Each rank slices what it holds (tensor-parallel slice, then its ZeRO shard or the whole
     chunk), so nothing is communicated; every rank must pass the same tensors.
 
+    A tied tensor loads from any one of its names (``save_pretrained`` keeps one of a tied
+    embedding and LM head), also where a pipeline holds it on two stages.
+
     Returns:
-        ``(missing, unexpected)`` key lists, as ``nn.Module.load_state_dict``.
+        ``(missing, unexpected)`` key lists, as ``nn.Module.load_state_dict``; ``missing`` is
+        over the whole model (every stage's tensors, each under its first name), the same on
+        every rank.
 
     Raises:
         RuntimeError: with ``strict``, a missing or unexpected key (on a pipeline the other
@@ -331,20 +336,23 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
     # every rank checks every stage's shapes: a rank refusing alone left the others loaded
     wrong = [f"{k} has shape {tuple(v.shape)}, expected {shapes[k]}" for k, v in state_dict.items()
              if k in shapes and tuple(v.shape) != shapes[k]]
+    # what is missing is judged over the whole model (every stage's names), the same on every rank;
+    # a tensor tied across stages (a pipeline's embedding and LM head) loads from any of its names
+    # (save_pretrained keeps one): the last stage found only its own name and refused, alone
+    names_of = {n: s.names for s in smodel.model_state_names for n in s.names}
+    for s in smodel.model_state_names:
+        if not any(n in state_dict for n in s.names):
+            missing.append(s.names[0])
     for pp in plan.params:
-        name = next((n for n in (pp.name,) + pp.aliases if n in state_dict), None)
-        if name is None:
-            missing.append(pp.name)
-        elif tuple(state_dict[name].shape) == pp.global_shape:  # (another shape is in wrong: shapes has every name)
+        names = (pp.name,) + pp.aliases
+        name = next((n for n in names + names_of.get(pp.name, ()) if n in state_dict), None)
+        if name is not None and tuple(state_dict[name].shape) == pp.global_shape:  # (another shape is in wrong)
             writes.append((pp, state_dict[name]))
     buffers = dict(smodel.module.named_buffers())
-    persistent = persistent_buffers(smodel.module)
     for name, buf in buffers.items():
         if name in state_dict and name not in shapes and tuple(state_dict[name].shape) != tuple(buf.shape):
             # a non-persistent buffer (copy_ broadcast another shape)
             wrong.append(f"{name} has shape {tuple(state_dict[name].shape)}, expected {tuple(buf.shape)}")
-        elif name not in state_dict and name in persistent:
-            missing.append(name)
     unexpected = [k for k in state_dict if k not in shapes and k not in buffers]
     if wrong:  # every check before the first write: a refused load leaves the model as it was
         raise RuntimeError(f"load_full_state_dict: {'; '.join(wrong)}")

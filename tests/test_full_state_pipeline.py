@@ -119,6 +119,17 @@ def _round_trip_worker():
     except RuntimeError as e:
         out["bad parameter"] = str(e)
     out["unchanged"] = all(torch.equal(v, changed[k]) for k, v in shardlib.full_state_dict(smodel).items())
+    # one name of the tensor tied across the stages (save_pretrained keeps one): the last stage
+    # (lm_head) found only its own name, raised alone with strict, and with strict=False kept its
+    # old values, so the embedding and the LM head differed, silently
+    one_name = {k: v * 3 for k, v in changed.items() if k != "lm_head.weight"}
+    out["one name of a tie"] = smodel.load_state_dict(one_name, strict=True)
+    after = shardlib.full_state_dict(smodel)
+    out["tie loaded"] = torch.equal(after["lm_head.weight"], one_name["wte.weight"]) and \
+        torch.equal(after["wte.weight"], one_name["wte.weight"])
+    # what is missing is judged over the whole model, the same on every rank (each stage listed its own)
+    out["missing"] = smodel.load_state_dict({k: v for k, v in changed.items() if "blocks.1." not in k
+                                             and k not in ("wte.weight", "lm_head.weight")}, strict=False)[0]
     dp = shardlib.init_mesh({"dp": 2})
     torch.manual_seed(0)
     scaled = shardlib.shard(_Scaled(), dp)
@@ -136,5 +147,7 @@ def test_a_pipeline_loads_its_full_state_dict_strictly_and_wrong_shapes_change_n
         assert out["round trip"] == ([], []) and out["equal"], out
         assert out["extra"] == ["not.a.key"], out
         assert "has shape (1, " in out["bad parameter"] and out["unchanged"], out
+        assert out["one name of a tie"] == ([], []) and out["tie loaded"], out
+        assert out["missing"] == ["wte.weight"] + [k for k in GPT(_config()).state_dict() if "blocks.1." in k], out
         assert out["bad buffer"] == "load_full_state_dict: scale has shape (1,), expected (8,)", out
         assert out["buffer kept"] == [1.0] * 8, out
