@@ -28,7 +28,8 @@ class Preset:
 
 
 def gpt_preset(axis: str = "tp") -> Preset:
-    """:class:`shardlib.models.GPT`: Megatron layout plus a vocabulary-parallel tied embedding.
+    """:class:`shardlib.models.GPT`: Megatron layout plus a vocabulary-parallel embedding and LM
+    head (one tensor when tied, two when ``tie_embeddings=False``).
 
     Options: ``vocab_parallel_logits=True``, as Megatron keeps the logits split into its cross
     entropy: the LM head's output stays ``(B, T, V // tp)`` and ``GPT.forward`` computes the loss
@@ -39,7 +40,9 @@ def gpt_preset(axis: str = "tp") -> Preset:
     """
     from .gpt import tp_specs
 
-    return Preset({**tp_specs(axis), "wte.weight": P(axis, None)}, {"vocab_parallel_logits": True})
+    # the LM head by vocabulary too: the tied tensor's other name, or an untied GPT's own head
+    return Preset({**tp_specs(axis), "wte.weight": P(axis, None), "lm_head.weight": P(axis, None)},
+                  {"vocab_parallel_logits": True})
 
 
 def llama_preset(axis: str = "tp") -> Preset:
