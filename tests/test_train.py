@@ -130,6 +130,10 @@ def test_checkpoint_dir_of_another_run_is_refused_and_rotation_removes_only_chec
         Checkpoints(section, 10)
     with pytest.raises(ConfigError, match="'checkpoint.dir' is None"):
         Checkpoints(load_config(None, ["checkpoint.resume=True"]).checkpoint, 10)
+    # --set checkpoint.dir=$CKPT with CKPT unset: it trained and saved nothing, exit status 0
+    for blank in ("checkpoint.dir=", "checkpoint.dir=' '"):
+        with pytest.raises(ConfigError, match="'checkpoint.dir' is '.*': a folder, or None for no checkpoints"):
+            Checkpoints(load_config(None, [blank, "checkpoint.interval=2"]).checkpoint, 10)
     # checkpoint.remove deletes a finished checkpoint only
     with pytest.raises(checkpoint.CheckpointError, match="only a finished shardlib checkpoint is removed"):
         checkpoint.remove(tmp_path)
@@ -215,6 +219,49 @@ def test_an_out_dir_with_another_runs_metrics_is_refused_before_the_mesh(tmp_pat
     assert _out_dir(load_config(None, []), "configs/x.py").startswith(os.path.join("runs", "x-"))
     with pytest.raises(ConfigError, match="'train.out_dir' is '': a folder, or None"):  # (no metrics were written)
         _out_dir(load_config(None, ["train.out_dir=''"]), None)
+
+
+def test_a_resume_keeps_a_metrics_file_only_where_it_is_that_runs(tmp_path):
+    """A resume from the checkpoint of step 2 drops the file's records after step 2: only where its
+    record of step 2 is the checkpoint's (loss and lr saved with it), or nothing follows step 2 (a
+    run killed between a save and its line). The end to end case is
+    test_a_resume_into_another_runs_out_dir_is_refused."""
+    from types import SimpleNamespace
+
+    from shardlib.train.loop import _check_metrics_of_this_run
+
+    rec = lambda step, loss: json.dumps(dict(step=step, loss=loss, lr=1e-3)) + "\n"
+    run = SimpleNamespace(resumed_from="ck/step_000002", start=2, resumed_record=dict(step=2, loss=2.5, lr=1e-3))
+    path = tmp_path / "metrics.jsonl"
+    _check_metrics_of_this_run(str(tmp_path), run)  # no file: fine
+    path.write_text(rec(1, 3.0) + rec(2, 2.5) + rec(3, 2.0))
+    _check_metrics_of_this_run(str(tmp_path), run)  # this run's
+    path.write_text(rec(1, 3.0))
+    _check_metrics_of_this_run(str(tmp_path), run)  # killed before the line of step 2: nothing follows
+    for text, why in [(rec(1, 3.0) + rec(2, 2.7) + rec(3, 2.0), "its step 2 has loss 2.7, the checkpoint's 2.5"),
+                      (rec(1, 3.0) + rec(3, 2.0), "it has no record of step 2")]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"does not look like the metrics of the run resumed from ck/step_000002 "
+                                              f"\\({why}\\): the resume would drop its 1 record"):
+            _check_metrics_of_this_run(str(tmp_path), run)
+    run.resumed_record = None  # a checkpoint that saved no line: checked only where records would be dropped
+    path.write_text(rec(1, 3.0) + rec(2, 2.5) + rec(3, 2.0))
+    with pytest.raises(ConfigError, match="the checkpoint saved no metrics line to compare"):
+        _check_metrics_of_this_run(str(tmp_path), run)
+    path.write_text(rec(1, 3.0) + rec(2, 2.5))
+    _check_metrics_of_this_run(str(tmp_path), run)
+
+
+def test_a_checkpoint_of_another_tokenizer_is_refused():
+    """Resuming (or evaluating) a BPE-500 checkpoint with BPE-300 or bytes went ahead silently:
+    the embedding rows then mean other tokens."""
+    batches = Batches(_corpus(), 8, 16, seed=3)
+    assert batches.state_dict()["tokenizer"] == "bytes" and batches.state_dict()["vocab_size"] == 256
+    batches.check_tokens(batches.state_dict())
+    batches.check_tokens({"next": 3})  # a checkpoint that recorded no tokenizer: not checked
+    with pytest.raises(ConfigError, match=r"another tokenizer \(data.tokenizer='bpe', data.vocab_size=500\): "
+                                          r"sha256:0123, a vocabulary of 500; this config's data give bytes"):
+        batches.check_tokens({"tokenizer": "sha256:0123", "vocab_size": 500}, {"tokenizer": "bpe", "vocab_size": 500})
 
 
 def test_relative_output_folders_that_do_not_exist_yet_are_fine(tmp_path, monkeypatch):
@@ -508,3 +555,43 @@ def test_a_resume_takes_the_configs_optimizer_hyperparameters(tmp_path):
     start, groups, lines = run_on(2, _resume_with_new_hyperparameters, str(tmp_path))[0]
     assert start == 2 and set(groups) == {((0.5, 0.6), 0.5)}
     assert any("betas (0.9, 0.95) in the checkpoint, (0.5, 0.6) from the config (used)" in x for x in lines)
+
+
+def _resume_into_another_runs_folder(folder):
+    from shardlib.train import batches as tb
+    from shardlib.train import train
+
+    quiet = lambda *_: None
+    base = [*SMALL, "parallel.mesh={'dp': 2}"]
+    train(load_config(DEFAULT, [*base, "train.steps=3", f"train.out_dir={folder + '/a'!r}"]), log=quiet)
+    b = [*base, "optim.lr=2e-3", f"checkpoint.dir={folder + '/ck'!r}"]  # another run: A's twin is not told apart
+    train(load_config(DEFAULT, [*b, "train.steps=2", f"train.out_dir={folder + '/b'!r}"]), log=quiet)
+    resume = [*b, "train.steps=3", "checkpoint.resume=True"]
+    before, out = Path(folder, "a", "metrics.jsonl").read_text(), {}
+    try:
+        train(load_config(DEFAULT, [*resume, f"train.out_dir={folder + '/a'!r}"]), log=quiet)
+    except ConfigError as e:
+        out["into a"] = str(e)
+    out["a kept"] = Path(folder, "a", "metrics.jsonl").read_text() == before
+    original = tb.tokenizer_id  # the corpus of another tokenizer, without tokenizing one here
+    tb.tokenizer_id = lambda corpus: "sha256:another"
+    try:
+        train(load_config(DEFAULT, [*resume, f"train.out_dir={folder + '/b'!r}"]), log=quiet)
+    except ConfigError as e:
+        out["tokenizer"] = str(e)
+    finally:
+        tb.tokenizer_id = original
+    train(load_config(DEFAULT, [*resume, f"train.out_dir={folder + '/b'!r}"]), log=quiet)
+    out["b steps"] = [r["step"] for r in _records(Path(folder, "b", "metrics.jsonl"))]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_resume_into_another_runs_out_dir_is_refused(tmp_path):
+    """Found by a new user (data loss): run B resumed from its own checkpoints with train.out_dir
+    at run A's folder, and A's metrics.jsonl lost its records after B's step (the refusal of an
+    out_dir with another run's metrics was skipped on any resume). B's own folder resumes."""
+    for out in run_on(2, _resume_into_another_runs_folder, str(tmp_path)):
+        assert "does not look like the metrics of the run resumed from" in out["into a"] and out["a kept"], out
+        assert "learned on the token ids of another tokenizer" in out["tokenizer"], out
+        assert out["b steps"] == [1, 2, 3], out

@@ -8,6 +8,7 @@ batch. Validation batches are a fixed set, the same at every evaluation.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from ..config import SCHEMA, Config, ConfigError
 from ..data import ByteCorpus, default_corpus, load_corpus
 
-__all__ = ["SOURCES", "TOKENIZERS", "open_data", "Batches"]
+__all__ = ["SOURCES", "TOKENIZERS", "open_data", "tokenizer_id", "Batches"]
 
 SOURCES = ("embedded", "files")
 TOKENIZERS = ("bytes", "bpe")  # or the path of a tokenizer.json
@@ -75,6 +76,18 @@ def _bytes(data: Config) -> ByteCorpus:
     return load_corpus(path, tuple(data.val_files), data.val_fraction)
 
 
+def tokenizer_id(corpus) -> str:
+    """What a corpus' token ids mean: ``"bytes"`` for a byte corpus, else ``"sha256:<20 hex>"`` of
+    the ``tokenizer.json`` its ids were made with (:class:`~shardlib.train.tokens.TokenCorpus`;
+    one tokenizer gives one digest wherever its cache lies: a BPE learned twice on the same
+    text is the same file)."""
+    folder = getattr(corpus, "folder", None)
+    if folder is None:
+        return "bytes"
+    with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
+        return "sha256:" + hashlib.sha256(f.read()).hexdigest()[:20]
+
+
 class Batches:
     """Global next-token batches of a corpus, addressed by their index in the run.
 
@@ -91,6 +104,7 @@ class Batches:
     def __init__(self, corpus: ByteCorpus, global_batch: int, seq_len: int, seed: int):
         self.corpus, self.global_batch, self.seq_len, self.seed = corpus, global_batch, seq_len, seed
         self.next = 0  # the index of the next training batch: the data position
+        self.tokenizer = tokenizer_id(corpus)
 
     def _generator(self, index: int, split: int) -> torch.Generator:
         return torch.Generator().manual_seed(((self.seed * 2 + split) * _STRIDE + index) % (2**63))
@@ -109,8 +123,34 @@ class Batches:
         return self.corpus.get_batch("val", self.global_batch, self.seq_len, self._generator(index, 1))
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position, for a checkpoint: ``{"next": k, "seed": s, "global_batch": B, "seq_len": T}``."""
-        return dict(next=self.next, seed=self.seed, global_batch=self.global_batch, seq_len=self.seq_len)
+        """The data position, for a checkpoint: ``{"next": k, "seed": s, "global_batch": B, "seq_len": T}``,
+        and what the token ids mean (``"tokenizer"``: :func:`tokenizer_id`, ``"vocab_size"``)."""
+        return dict(next=self.next, seed=self.seed, global_batch=self.global_batch, seq_len=self.seq_len,
+                    tokenizer=self.tokenizer, vocab_size=self.corpus.vocab_size)
+
+    def check_tokens(self, state: dict[str, Any], saved_data: dict[str, Any] | None = None) -> None:
+        """Refuse a checkpoint whose model learned on the ids of another tokenizer (a resume, or
+        an evaluation): its embedding rows would mean other tokens, and the loss would be
+        nonsense without an error. A checkpoint that did not record its tokenizer is not checked.
+
+        Args:
+            state: the checkpoint's data state (:meth:`state_dict`).
+            saved_data: the checkpoint's config ``data`` section, named in the message.
+
+        Raises:
+            ConfigError: the tokenizers differ.
+        """
+        theirs = state.get("tokenizer")
+        if theirs is None or theirs == self.tokenizer:
+            return
+        was = ""
+        if saved_data:
+            was = " (" + ", ".join(f"data.{k}={saved_data.get(k)!r}" for k in ("tokenizer", "vocab_size", "files")
+                                   if k in saved_data) + ")"
+        raise ConfigError(f"the checkpoint's model learned on the token ids of another tokenizer{was}: {theirs}, "
+                          f"a vocabulary of {state.get('vocab_size')}; this config's data give {self.tokenizer}, a "
+                          f"vocabulary of {self.corpus.vocab_size}, so its embedding rows would mean other tokens. "
+                          f"Fix: the checkpoint's data section (data.tokenizer, data.vocab_size, data.files)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved position.

@@ -31,13 +31,15 @@ class Checkpoints:
 
     Raises:
         ConfigError: at construction (every rank, before any communication): ``checkpoint.dir``
-            is a file, or holds entries and ``checkpoint.resume`` is False; ``resume`` without a
-            ``dir``; ``interval`` set without a ``dir``.
+            is a file or blank, or holds entries and ``checkpoint.resume`` is False; ``resume``
+            without a ``dir``; ``interval`` set without a ``dir``.
     """
 
     def __init__(self, section: Config, steps: int):
         self.dir, self.interval, self.keep_last, self.resume = section.dir, section.interval, section.keep_last, section.resume
         self.steps = steps
+        if self.dir is not None and not str(self.dir).strip():  # (--set checkpoint.dir=$UNSET saved nothing)
+            raise ConfigError(f"config key 'checkpoint.dir' is {self.dir!r}: a folder, or None for no checkpoints")
         if self.dir is None:
             if self.resume or self.interval:
                 key = "resume" if self.resume else "interval"

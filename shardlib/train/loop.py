@@ -12,6 +12,7 @@ over the global batch, so a config gives the same curve on any mesh, to fp32 rou
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -109,6 +110,7 @@ class Run:
     flops_per_token: float
     start: int = 0  # optimizer steps done (from a resumed checkpoint)
     resumed_from: str | None = None
+    resumed_record: dict | None = None  # the checkpoint's step, loss and lr (a resume checks metrics.jsonl by it)
     history: list = field(default_factory=list)
 
     @property
@@ -122,8 +124,10 @@ class Run:
             group["lr"] = lr
         return lr
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, record: dict | None = None) -> str:
         extra = dict(step=step, data=self.batches.state_dict(), config=self.cfg.to_dict())
+        if record is not None:  # its metrics line: a resume tells this run's metrics.jsonl by it
+            extra["record"] = {k: record[k] for k in ("step", "loss", "lr")}
         return self.checkpoints.save(step, self.smodel, self.optimizer, extra, self.is_main)
 
 
@@ -202,7 +206,8 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     path = load if load is not None else checkpoints.latest()
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
-        run.start, run.resumed_from = int(extra["step"]), path
+        run.start, run.resumed_from, run.resumed_record = int(extra["step"]), path, extra.get("record")
+        batches.check_tokens(extra.get("data") or {}, (extra.get("config") or {}).get("data"))
         if continue_data:
             batches.load_state_dict(extra["data"])
         wanted = dict(betas=tuple(o.betas), weight_decay=o.weight_decay)  # the config's win over the checkpoint's
@@ -278,6 +283,49 @@ def _out_dir(cfg: Config, config_path: str | None) -> str:
             out = f"{base}-{k}"
 
 
+def _check_metrics_of_this_run(out_dir: str, run: Run) -> None:
+    """A resumed run appends to ``out_dir/metrics.jsonl`` and drops its records after the
+    checkpoint's step (the run repeats those steps): only where the file is that run's. Found by a
+    new user: run B resumed from its own checkpoints with ``train.out_dir`` at run A's folder cut
+    A's records after B's step. The file is this run's when its record of the checkpoint's step
+    has the checkpoint's loss and learning rate (saved with it); a file with no record of that
+    step (a run killed between a save and its line) is this run's when nothing follows.
+
+    Raises:
+        ConfigError: the file holds records after the checkpoint's step and its record of that
+            step is missing or another (or the checkpoint, older, saved none to compare).
+    """
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not run.resumed_from or not os.path.exists(path):
+        return
+    at, later = None, 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut short by a kill: MetricsLog drops it
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                if rec["step"] == run.start:
+                    at = rec
+                later += rec["step"] > run.start
+    mine = run.resumed_record
+    if at is not None and mine is not None:
+        if at.get("loss") == mine["loss"] and at.get("lr") == mine["lr"]:
+            return
+        why = f"its step {run.start} has loss {at.get('loss')}, the checkpoint's {mine['loss']}"
+    elif not later:
+        return  # nothing after the checkpoint's step: nothing is dropped
+    else:
+        why = (f"it has no record of step {run.start}" if at is None else
+               f"the checkpoint saved no metrics line to compare with its step {run.start}")
+    raise ConfigError(
+        f"config key 'train.out_dir' is {out_dir!r}, whose metrics.jsonl does not look like the metrics of the run "
+        f"resumed from {run.resumed_from} ({why}): the resume would drop its {later} record(s) after step "
+        f"{run.start}. Fix: --set train.out_dir=ANOTHER_FOLDER (or None: a new runs/<config>-<date-time>), or "
+        f"resume the run that wrote it from its own checkpoint.dir")
+
+
 def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, Any]:
     """Run the training a config describes (every rank, under ``torchrun``).
 
@@ -298,6 +346,7 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
     """
     out_dir = _out_dir(cfg, config_path)  # every rank, before any communication
     run = setup(cfg, log=log)
+    _check_metrics_of_this_run(out_dir, run)  # every rank: each reads the same file and checkpoint
     t = cfg.train
     world = math.prod(run.mesh.shape.values())
     peak = _peak_flops(cfg, run.device)
@@ -322,7 +371,7 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
                           tokens_per_s=tokens / dt, mfu=None if peak is None else tokens / dt * run.flops_per_token /
                           (world * peak), peak_mem_mb=peak_memory_mb(run.device), val_loss=None)
             if run.checkpoints.due(step + 1):  # before the evaluation: a failing one loses no training
-                saved.append(run.save(step + 1))
+                saved.append(run.save(step + 1, record))
                 metrics.write(f"step {step + 1}: checkpoint {saved[-1]}")
             if (t.eval_interval and (step + 1) % t.eval_interval == 0) or step + 1 == t.steps:
                 val_loss = record["val_loss"] = evaluate(run.smodel, run.batches, t.eval_steps, run.device)
