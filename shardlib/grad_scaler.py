@@ -150,7 +150,12 @@ class GradScaler:
         if state["stage"] == _READY:
             self.unscale_(optimizer)
         state["stage"] = _STEPPED
-        return None if state["found_inf"] else optimizer.step()
+        if state["found_inf"]:
+            skip = getattr(optimizer, "skip_step", None)  # a ZeroOptimizer: its last_grad_norm is this step's
+            if skip is not None:
+                skip()
+            return None
+        return optimizer.step()
 
     def update(self, new_scale: float | None = None) -> None:
         """Back off after a skipped step, grow after ``growth_interval`` good ones (or set

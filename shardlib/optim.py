@@ -286,6 +286,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero.mesh.trace.next_step()  # the collective trace names steps ("rank 1 finished step 7")
         return loss
 
+    @torch.no_grad()
+    def skip_step(self) -> None:
+        """The step :class:`~shardlib.GradScaler` skips (a gradient somewhere was inf or NaN):
+        nothing is updated, and ``last_grad_norm`` is this step's norm (inf or NaN, measured over
+        the mesh: collective, as every rank skips together) where ``max_grad_norm`` is set, as
+        torch's ``clip_grad_norm_`` after ``unscale_`` reports it; it held the previous step's
+        finite norm, so a log showed a normal norm for an overflowed step."""
+        _refuse_unended_backward(self._zero, "ZeroOptimizer.skip_step()")
+        self.last_grad_norm = None
+        if self.max_grad_norm is not None and not self._zero.grads_absent:
+            self._zero.settle_grads()
+            self.last_grad_norm = clip_grad_norm_(self.smodel, math.inf)
+        self._zero.mesh.trace.next_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients: ``set_to_none`` (the default, as torch's) releases the flat
         gradient buffers until the next backward; False keeps them and zeroes them lazily.

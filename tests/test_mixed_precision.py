@@ -9,6 +9,8 @@ and backward there, casts the gradients to fp32 and steps AdamW on the fp32 mast
 import contextlib
 import copy
 
+import math
+
 import pytest
 import torch
 
@@ -282,6 +284,9 @@ def test_fp16_loss_scaling_skips_the_same_steps_as_torch_gradscaler(mesh_shape, 
         if clip is not None:
             norms = [records[s]["norm"] for s in range(FP16_STEPS) if s not in skipped]
             assert all(n > clip for n in norms), f"clip {clip} does not act: norms {norms}"
+            # a skipped step's norm is its own (inf or NaN, as torch's clip_grad_norm_ after unscale_
+            # gives); it was the previous step's finite norm (None before any step), found by a new user
+            assert all(not math.isfinite(records[s]["norm"]) for s in skipped), [records[s]["norm"] for s in skipped]
     _compare(results[0]["records"], reference, FP16_U, skipped)
 
 
