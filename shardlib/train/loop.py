@@ -5,7 +5,9 @@ Each optimizer step draws the global batch ``(train.global_batch, train.seq_len)
 every rank and mesh, :class:`~shardlib.train.batches.Batches`), keeps this rank's rows, runs
 forward and backward (``train.grad_accum`` slices, all but the last under ``no_sync()``; on a
 pipeline mesh one ``forward_backward`` over ``parallel.microbatches``), clips to
-``optim.grad_clip`` and steps AdamW at the scheduled learning rate. The loss reported is the mean
+``optim.grad_clip`` and steps AdamW at the scheduled learning rate. With
+``train.param_dtype="float16"`` the loss is scaled dynamically (:class:`~shardlib.GradScaler`,
+as Megatron's ``--fp16``): a step with an inf/NaN gradient anywhere is skipped on every rank. The loss reported is the mean
 over the global batch, so a config gives the same curve on any mesh, to fp32 rounding.
 """
 
@@ -44,20 +46,27 @@ def _local(batch: torch.Tensor, smodel: Any, device: torch.device) -> torch.Tens
     return shardlib.distribute(batch, smodel.mesh, smodel.batch_spec).to(device)
 
 
-def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, accum: int = 1) -> torch.Tensor:
+def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, accum: int = 1,
+              scaler: Any = None) -> torch.Tensor:
     """This rank's mean loss on its rows ``x``, ``y`` (local ``(b, T)``), with backward if asked.
 
     Off a pipeline, ``accum`` slices of ``b / accum`` rows run one after the other, all but the
     last backward inside ``smodel.no_sync()``, each loss scaled by ``1 / accum`` (the gradient
     of the mean over the ``b`` rows). On a pipeline the schedule runs its microbatches and the
-    last stage's loss is shared with every stage (``accum`` must be 1).
+    last stage's loss is shared with every stage (``accum`` must be 1). ``scaler``: a
+    :class:`~shardlib.GradScaler` whose scale multiplies what backward starts from (fp16); the
+    loss returned is unscaled.
     """
     import shardlib
 
     if isinstance(smodel, shardlib.PipelineModule):
         run = smodel.forward_backward if backward else smodel.evaluate
-        losses, _ = run(x, criterion=lm_criterion, labels=(y,))
+        scaled = backward and scaler is not None
+        criterion = (lambda logits, t: scaler.scale(lm_criterion(logits, t))) if scaled else lm_criterion
+        losses, _ = run(x, criterion=criterion, labels=(y,))
         loss = torch.stack(losses).mean() if losses is not None else torch.zeros((), device=x.device)
+        if scaled:
+            loss = loss / scaler.get_scale()  # a power of two by default: exact
         return shardlib.all_reduce(loss, smodel.pp_axis)  # zero on every stage but the last
     total = torch.zeros((), device=x.device)
     hf = is_hf(smodel)
@@ -70,7 +79,7 @@ def step_loss(smodel: Any, x: torch.Tensor, y: torch.Tensor, backward: bool, acc
             # a Hugging Face model: its logits (gathered over tp by its output layer) into our criterion
             loss = lm_criterion(smodel(input_ids=xs).logits, ys) if hf else smodel(xs, ys)[1]
             if backward:
-                (loss / accum).backward()
+                (loss / accum if scaler is None else scaler.scale(loss / accum)).backward()
         total = total + loss.detach() / accum
     return total
 
@@ -111,6 +120,7 @@ class Run:
     start: int = 0  # optimizer steps done (from a resumed checkpoint)
     resumed_from: str | None = None
     resumed_record: dict | None = None  # the checkpoint's step, loss and lr (a resume checks metrics.jsonl by it)
+    scaler: Any = None  # a GradScaler for train.param_dtype="float16" (dynamic loss scaling, as Megatron's --fp16)
     history: list = field(default_factory=list)
 
     @property
@@ -128,6 +138,8 @@ class Run:
         extra = dict(step=step, data=self.batches.state_dict(), config=self.cfg.to_dict())
         if record is not None:  # its metrics line: a resume tells this run's metrics.jsonl by it
             extra["record"] = {k: record[k] for k in ("step", "loss", "lr")}
+        if self.scaler is not None:
+            extra["grad_scaler"] = self.scaler.state_dict()
         return self.checkpoints.save(step, self.smodel, self.optimizer, extra, self.is_main)
 
 
@@ -203,11 +215,15 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
                                        weight_decay=o.weight_decay, betas=tuple(o.betas))
     batches = Batches(corpus, cfg.train.global_batch, cfg.train.seq_len, cfg.train.seed)
     run = Run(cfg, mesh, smodel, optimizer, batches, checkpoints, device, fpt)
+    if cfg.train.param_dtype == "float16":  # fp16's range needs the loss scaled (bf16's does not)
+        run.scaler = shardlib.GradScaler()
     path = load if load is not None else checkpoints.latest()
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
         run.start, run.resumed_from, run.resumed_record = int(extra["step"]), path, extra.get("record")
         batches.check_tokens(extra.get("data") or {}, (extra.get("config") or {}).get("data"))
+        if run.scaler is not None and "grad_scaler" in extra:
+            run.scaler.load_state_dict(extra["grad_scaler"])
         if continue_data:
             batches.load_state_dict(extra["data"])
         wanted = dict(betas=tuple(o.betas), weight_decay=o.weight_decay)  # the config's win over the checkpoint's
@@ -361,8 +377,14 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
             lr = run.set_lr(step)
             x, y = next(run.batches)
             loss = step_loss(run.smodel, _local(x, run.smodel, run.device), _local(y, run.smodel, run.device),
-                             True, accum)
-            run.optimizer.step()
+                             True, accum, run.scaler)
+            scale = None
+            if run.scaler is not None:  # a step with an inf/NaN gradient anywhere is skipped on every rank
+                scale = run.scaler.get_scale()
+                run.scaler.step(run.optimizer)
+                run.scaler.update()
+            else:
+                run.optimizer.step()
             run.optimizer.zero_grad()
             loss = global_mean(loss, run.smodel)
             dt = time.perf_counter() - t0
@@ -370,6 +392,8 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
             record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=None if norm is None else float(norm),
                           tokens_per_s=tokens / dt, mfu=None if peak is None else tokens / dt * run.flops_per_token /
                           (world * peak), peak_mem_mb=peak_memory_mb(run.device), val_loss=None)
+            if scale is not None:
+                record["loss_scale"] = scale  # the scale this step's backward ran at (halved after a skip)
             if run.checkpoints.due(step + 1):  # before the evaluation: a failing one loses no training
                 saved.append(run.save(step + 1, record))
                 metrics.write(f"step {step + 1}: checkpoint {saved[-1]}")

@@ -42,6 +42,8 @@ def format_line(record: dict[str, Any], steps: int) -> str:
     parts.append(f"lr {record['lr']:.2e}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad norm {record['grad_norm']:.3f}")
+    if record.get("loss_scale") is not None:
+        parts.append(f"loss scale {record['loss_scale']:g}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     parts.append("MFU n/a" if record.get("mfu") is None else f"MFU {100 * record['mfu']:.1f}%")
     parts.append(f"peak {record['peak_mem_mb']:,.0f} MiB")
