@@ -51,7 +51,7 @@ def _tensor_parallel_lines(plan, full: bool) -> list[str]:
 
 
 def explain(plan, tokens: int | None = None, full: bool = False, activation_checkpointing=None, in_flight: float = 1,
-            accumulating: bool = False) -> str:
+            accumulating: bool = False, micro_steps: int = 1) -> str:
     """The plan as text: the summary, the per-parameter table, the tensor-parallel layers.
 
     Args:
@@ -66,6 +66,9 @@ def explain(plan, tokens: int | None = None, full: bool = False, activation_chec
         in_flight: microbatches whose activations the predicted peak holds (a pipeline
             stage's peak stash; 1 otherwise). accumulating: gradients accumulate over
             several backwards (a pipeline's microbatches).
+        micro_steps: forward/backward passes in a step (a pipeline's microbatches, gradient
+            accumulation's slices): the communication figures are per step of that many
+            (ZeRO-3 gathers and tensor-parallel activations once per pass; reductions once).
 
     Returns:
         The text. The table has one row per parameter (name, global shape, spec, strategy,
@@ -76,7 +79,7 @@ def explain(plan, tokens: int | None = None, full: bool = False, activation_chec
     """
     rows = param_rows(plan)
     folded = fold(rows)
-    lines = summary_lines(plan, tokens, folded, activation_checkpointing, in_flight, accumulating)
+    lines = summary_lines(plan, tokens, folded, activation_checkpointing, in_flight, accumulating, micro_steps)
     folding = not full and len(rows) > FOLD_ABOVE
     items = folded if folding else rows
     if folding:

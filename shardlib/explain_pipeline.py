@@ -136,8 +136,9 @@ def pipeline_explain(pplan, tokens: int | None = None, full: bool = False) -> st
                      "explain(full=True) draws the grid")
     for r, st in enumerate(pplan.stages):
         lines += fit([f"stage plan of pp rank {r} (stages {', '.join(str(s) for s in pplan.rank_stages(r))}; "
-                      f"communication of one microbatch, a step runs {pplan.m}):"])
+                      f"communication per step of {pplan.m} microbatches):"])
         from .explain import explain
 
-        lines.append(explain(st, tokens, full, in_flight=sim.peak_stash[r] / pplan.v, accumulating=pplan.m > 1))
+        lines.append(explain(st, tokens, full, in_flight=sim.peak_stash[r] / pplan.v, accumulating=pplan.m > 1,
+                             micro_steps=pplan.m))
     return "\n".join(lines)

@@ -119,12 +119,17 @@ def _state_lines(plan) -> list[str]:
     return lines
 
 
-def _comm_lines(plan, tokens: int | None) -> list[str]:
-    comm = plan.comm_per_step(tokens=tokens)
+def _comm_lines(plan, tokens: int | None, micro_steps: int = 1) -> list[str]:
+    comm = plan.comm_per_step(micro_steps=micro_steps, tokens=tokens)
     if not comm:
         return ["communication per step: none"]
-    lines = ["communication per step (per rank, logical ring bytes"
-             + (f", {tokens} tokens per micro-batch):" if tokens else "; tensor-parallel activations need tokens=):")]
+    head = "communication per step (per rank, logical ring bytes"
+    if tokens:
+        head += f", {micro_steps} micro-batches of {tokens} tokens each):" if micro_steps > 1 else \
+            f", {tokens} tokens per micro-batch):"
+    else:
+        head += (f", {micro_steps} micro-batches" if micro_steps > 1 else "") + "; tensor-parallel activations need tokens=):"
+    lines = [head]
     for (axis, kind), (calls, nbytes) in comm.items():
         lines.append(f"  {axis:<6} {kind:<15} {calls:>5} calls  {nbytes:>16,.0f} B  {human(nbytes):>10}")
     total = sum(b for _, b in comm.values())
@@ -182,7 +187,7 @@ def _peak_lines(plan, tokens: int | None, activation_checkpointing, in_flight: f
 
 
 def summary_lines(plan, tokens: int | None, items: list, activation_checkpointing=None, in_flight: float = 1,
-                  accumulating: bool = False) -> list[str]:
+                  accumulating: bool = False, micro_steps: int = 1) -> list[str]:
     """The summary of ``plan``: the mesh and ZeRO layout, parameter counts, model state per
     rank, communication per step, then bytes per strategy, the largest tensors and the repeated
     blocks of ``items`` (the folded parameter rows).
@@ -195,6 +200,7 @@ def summary_lines(plan, tokens: int | None, items: list, activation_checkpointin
         activation_checkpointing: the recompute the peak assumes (None: the plan's own).
         in_flight: microbatches whose activations the peak holds (a pipeline stage's stash).
         accumulating: gradients accumulate over several backwards (a pipeline's microbatches).
+        micro_steps: forward/backward passes per step, for the communication figures.
 
     Returns:
         Lines of at most :data:`~shardlib.explain_table.WIDTH` characters.
@@ -216,6 +222,6 @@ def summary_lines(plan, tokens: int | None, items: list, activation_checkpointin
         f"parameters: {numel:,} elements in {len(plan.params)} tensors "
         + ("(all trainable)" if trainable == numel else f"({trainable:,} trainable)") + f", {pad:,} padding elements",
     ]
-    lines += (_state_lines(plan) + _peak_lines(plan, tokens, activation_checkpointing, in_flight, accumulating) + _comm_lines(plan, tokens)
+    lines += (_state_lines(plan) + _peak_lines(plan, tokens, activation_checkpointing, in_flight, accumulating) + _comm_lines(plan, tokens, micro_steps)
               + _where_lines(plan, items))
     return fit(lines)

@@ -156,7 +156,8 @@ class Plan(PlanBytes):
         return comm_per_step(self, micro_steps, clip, tokens)
 
     # -- printing ----------------------------------------------------------------------------
-    def explain(self, tokens: int | None = None, full: bool = False, activation_checkpointing: Any = None) -> str:
+    def explain(self, tokens: int | None = None, full: bool = False, activation_checkpointing: Any = None,
+                micro_steps: int = 1) -> str:
         """The plan as text: the summary first (memory per rank, communication per step by axis
         and kind, bytes per strategy, the largest tensors, one line per repeated block), then a
         row per parameter, then the tensor-parallel layers (see :func:`shardlib.explain.explain`).
@@ -169,10 +170,13 @@ class Plan(PlanBytes):
                 repeated block into one row per pattern by default).
             activation_checkpointing: the recompute the predicted peak assumes (``"full"``,
                 ``"selective"``, ``False``: none; None: this plan's own option).
+            micro_steps: forward/backward passes per step (gradient accumulation): the
+                communication is per step of that many (ZeRO-3 gathers the parameters and
+                tensor parallelism moves activations in every pass; reductions run once).
         """
         from .explain import explain
 
-        return explain(self, tokens, full, activation_checkpointing)
+        return explain(self, tokens, full, activation_checkpointing, micro_steps=micro_steps)
 
     def peak_estimate(self, tokens: int, activation_checkpointing: Any = None, in_flight: float = 1,
                       accumulating: bool = False):

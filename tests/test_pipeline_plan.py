@@ -31,10 +31,12 @@ def _shard_and_step(shape, options):
     smodel = shardlib.shard(_gpt(), mesh, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3)
     x = shardlib.distribute(torch.randint(0, 37, (8, 9), generator=torch.Generator().manual_seed(1)), mesh, smodel.batch_spec)
+    mesh.comm.reset()
     smodel.forward_backward(x[:, :-1], criterion=_ce, labels=(x[:, 1:],))
     opt.step()  # the optimizer state exists from here
+    comm = {key: value for key, value in mesh.comm.table().items() if key[0] == "dp"}
     return {"pplan": smodel.pipeline_plan, "layers": smodel.stage_layers, "bytes": shardlib.model_state_bytes(smodel, opt),
-            "plan": smodel.plan, "pp": mesh.index("pp")}
+            "plan": smodel.plan, "pp": mesh.index("pp"), "comm": comm}
 
 
 @pytest.mark.multiprocess
@@ -42,7 +44,9 @@ def _shard_and_step(shape, options):
 def test_plan_on_abstract_mesh_is_what_shard_applies(zero_stage):
     """plan(model, AbstractMesh({"pp": 2, "dp": 2}), schedule=...) needs no process, and equals
     the plan every rank of shard() applies: stage layers, per-stage bytes (measured after an
-    optimizer step: parameter, gradient and AdamW state storage), the bubble."""
+    optimizer step: parameter, gradient and AdamW state storage), the bubble, and the data-axis
+    communication of one step of 4 microbatches (ZeRO-3 gathers in each; the stage plans printed
+    one microbatch's gathers beside the step's reduce-scatter, found by a new user)."""
     options = dict(schedule="1f1b", microbatches=4, zero_stage=zero_stage, chunk_size=400)
     pplan = shardlib.plan(_gpt(), PP2_DP2, **options)
     assert isinstance(pplan, PipelinePlan) and pplan.bubble == bubble_fraction(2, 4) == 0.2
@@ -55,6 +59,9 @@ def test_plan_on_abstract_mesh_is_what_shard_applies(zero_stage):
         assert got["plan"] == mine
         assert got["bytes"] == {"params": mine.param_bytes, "grads": mine.grad_bytes, "optimizer": mine.optimizer_bytes,
                                 "total": mine.model_state_bytes}, (rank, got["bytes"])
+        assert got["comm"] == mine.comm_per_step(micro_steps=4), (rank, got["comm"])
+        calls, nbytes = got["comm"][("dp", "all_gather")]
+        assert f"dp     all_gather      {calls:>5} calls  {nbytes:>16,.0f} B" in pplan.explain()
     whole = shardlib.plan(_gpt(), AbstractMesh({"dp": 2}), zero_stage=zero_stage, chunk_size=400)
     assert pplan.whole.params == whole.params  # the whole model's layout; each stage holds about half of it
     assert sum(s.param_bytes for s in pplan.stages) < 1.2 * whole.param_bytes
@@ -72,7 +79,7 @@ def test_pipeline_plan_explain():
     assert row[:5] == ["1"] + [f"{b:,}" for b in (s1.param_bytes, s1.grad_bytes, s1.optimizer_bytes, s1.model_state_bytes)]
     assert "tied across stages: wte.weight = lm_head.weight on pp ranks [0, 1]" in text
     assert "bytes per boundary transfer: needs tokens=" in text
-    assert " 0F0 " in text and "stage plan of pp rank 1 (stages 1; communication of one microbatch, a step runs 4):" in text
+    assert " 0F0 " in text and "stage plan of pp rank 1 (stages 1; communication per step of 4 microbatches):" in text
     assert "rank 2 at {'pp': 1, 'dp': 0}" in text  # stage 1 seen from the rank at pp 1 with our dp coordinate
     # 2 rows x 8 tokens per microbatch, width 16, fp32; each rank sends 4 activations or 4 gradients
     assert "bytes per boundary transfer: 1,024 (16 tokens per microbatch" in pplan.summary(tokens=16)

@@ -207,8 +207,11 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
         if unused:  # one config serves every mesh (a pp mesh reads them): say so, do not refuse
             log(f"parallel: {', '.join(unused)} apply to a mesh with a 'pp' axis; not used on {shape}")
         rows = cfg.train.global_batch // plan.data_size
-        per_pass = rows // (cfg.parallel.microbatches if shape.get("pp", 1) > 1 else cfg.train.grad_accum)
-        log(plan.explain(tokens=per_pass * cfg.train.seq_len))
+        pipelined = shape.get("pp", 1) > 1
+        per_pass = rows // (cfg.parallel.microbatches if pipelined else cfg.train.grad_accum)
+        # (a pipeline's stage plans count its microbatches themselves)
+        log(plan.explain(tokens=per_pass * cfg.train.seq_len) if pipelined else
+            plan.explain(tokens=per_pass * cfg.train.seq_len, micro_steps=cfg.train.grad_accum))
     smodel = plan.apply(model)
     o = cfg.optim
     optimizer = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, max_grad_norm=o.grad_clip or math.inf, lr=o.lr,
