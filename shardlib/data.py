@@ -116,7 +116,7 @@ def _from_files(files: Sequence[Path], root: Path, val_files: Sequence[str], val
     if missing:
         raise ValueError(
             f"held-out files {missing} are not in {source} (it has {len(names)} files, e.g. "
-            f"{names[:3]}); give names of files in the folder, e.g. --val-files {names[0]}"
+            f"{names[:3]}); give names of files in the folder, e.g. {names[0]!r}"
         )
     train_files = [f for f, v in zip(files, is_val) if not v]
     val_paths = [f for f, v in zip(files, is_val) if v]

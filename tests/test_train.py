@@ -308,6 +308,27 @@ def test_val_fraction_is_checked_for_every_source_and_said_unused_with_the_embed
     open_data(load_config(DEFAULT, []).data, log=said.append)
     assert said == []
 
+
+def test_held_out_files_are_checked_under_their_key(tmp_path):
+    """A wrong data.val_files raised a ValueError whose fix named --val-files, a flag the tool does
+    not have (examples/train_gpt.py's); and data.val_fraction beside val_files was ignored without
+    a word (found by a new-user pass)."""
+    from shardlib.train.batches import open_data
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name * 50)
+    files = ["data.source='files'", f"data.files=[{str(tmp_path)!r}]"]
+    with pytest.raises(ConfigError, match=r"config key 'data.val_files' is \['nothere.txt'\]: held-out files "
+                                          r"\['nothere.txt'\] are not in .* e.g. 'a.txt'") as caught:
+        open_data(load_config(DEFAULT, [*files, "data.val_files=['nothere.txt']"]).data, log=lambda *_: None)
+    assert "--val-files" not in str(caught.value)
+    said = []
+    corpus = open_data(load_config(DEFAULT, [*files, "data.val_files=['b.txt']", "data.val_fraction=0.3"]).data,
+                       log=said.append)
+    assert corpus.val_files == ("b.txt",)
+    assert said == ["data: data.val_fraction=0.3 applies without data.val_files; the files ['b.txt'] are held out "
+                    "instead: not used"]
+
 def test_a_metrics_record_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     rec = lambda s: json.dumps(dict(step=s, loss=1.0, lr=0.1, grad_norm=None, tokens_per_s=1.0, mfu=None,
                                     peak_mem_mb=1.0, val_loss=None))

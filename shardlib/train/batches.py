@@ -37,20 +37,26 @@ def open_data(data: Config, log=print):
 
     Raises:
         ConfigError: an unknown source or tokenizer, ``files`` not one existing path, a
-            ``val_fraction`` outside (0, 1) (any source); each naming the key. ``val_fraction`` or
-            ``val_files`` set with the embedded source are logged as not used (its split is fixed).
+            ``val_fraction`` outside (0, 1) (any source), ``val_files`` naming no file of the
+            folder, all of them, or given for a single file; each naming the key. ``val_fraction``
+            or ``val_files`` set with the embedded source are logged as not used (its split is
+            fixed), and ``val_fraction`` set beside ``val_files``.
     """
     if data.tokenizer not in TOKENIZERS and not data.tokenizer.endswith(".json"):
         raise ConfigError(f"config key 'data.tokenizer' is {data.tokenizer!r}; give 'bytes' (vocabulary 256), 'bpe' "
                           f"(learned on the corpus, data.vocab_size tokens) or the path of a tokenizer.json")
     if not 0.0 < data.val_fraction < 1.0:  # a bad value is refused whatever the source
         raise ConfigError(f"config key 'data.val_fraction' must be in (0, 1), got {data.val_fraction}")
+    fraction_set = data.val_fraction != SCHEMA["data"]["val_fraction"][1]
     if data.source == "embedded":  # its split is fixed: say so rather than ignore a key set on purpose
-        unused = ([f"data.val_fraction={data.val_fraction!r}"] if data.val_fraction != SCHEMA["data"]["val_fraction"][1]
+        unused = ([f"data.val_fraction={data.val_fraction!r}"] if fraction_set
                   else []) + ([f"data.val_files={list(data.val_files)!r}"] if data.val_files else [])
         if unused:
             log(f"data: {', '.join(unused)} apply to data.source='files'; the embedded corpus holds out every 10th "
                 "module of the standard library: not used")
+    elif data.val_files and fraction_set:
+        log(f"data: data.val_fraction={data.val_fraction!r} applies without data.val_files; the files "
+            f"{list(data.val_files)!r} are held out instead: not used")
     corpus = _bytes(data)
     if data.tokenizer == "bytes":
         return corpus
@@ -73,7 +79,10 @@ def _bytes(data: Config) -> ByteCorpus:
     path = os.path.expanduser(str(data.files[0]))
     if not os.path.exists(path):
         raise ConfigError(f"config key 'data.files' names {path!r}, which does not exist")
-    return load_corpus(path, tuple(data.val_files), data.val_fraction)
+    try:
+        return load_corpus(path, tuple(data.val_files), data.val_fraction)
+    except ValueError as exc:  # (val_fraction is checked before): the held-out files
+        raise ConfigError(f"config key 'data.val_files' is {list(data.val_files)!r}: {exc}") from None
 
 
 def tokenizer_id(corpus) -> str:
