@@ -22,6 +22,7 @@ __all__ = [
     "nonnegative_float",
     "dropout_rate",
     "mesh_shape",
+    "mesh_shape_rest",
     "CONFIG_ERRORS",
 ]
 
@@ -116,16 +117,18 @@ def dropout_rate(text: str) -> float:
     return value
 
 
-def mesh_shape(text: str) -> dict[str, int]:
+def mesh_shape(text: str, rest: bool = False) -> dict[str, int]:
     """An argparse ``type``: ``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}`` (axis order kept: outer
     to inner).
 
     Each axis is named once, with an identifier for a name and an integer >= 1 for a size (a
-    repeated axis used to collapse silently into one entry of the dict).
+    repeated axis used to collapse silently into one entry of the dict). ``rest``: one axis may
+    be ``-1``, the rest of the ranks, as in a config's ``parallel.mesh`` (:func:`mesh_shape_rest`).
 
     Raises:
         argparse.ArgumentTypeError: an item that is not ``name=size``, a name that is not an
-            identifier, a size that is not an integer >= 1, or an axis given twice.
+            identifier, a size that is not an integer >= 1 (or -1 once, with ``rest``), or an
+            axis given twice.
     """
     shape: dict[str, int] = {}
     for item in text.split(","):
@@ -138,13 +141,22 @@ def mesh_shape(text: str) -> dict[str, int]:
             value = int(size)
         except ValueError:
             value = None
-        if value is None or value < 1:
+        if rest and value == -1 and -1 not in shape.values():
+            pass  # the rest of the ranks, resolved with the world size
+        elif value is None or value < 1:
             raise argparse.ArgumentTypeError(
-                f"{text!r}: axis {name!r} has size {size!r}; every size must be an integer >= 1")
+                f"{text!r}: axis {name!r} has size {size!r}; every size must be an integer >= 1"
+                + (" (or -1 for the rest of the ranks, on one axis)" if rest else ""))
         if name in shape:
             raise argparse.ArgumentTypeError(f"{text!r}: axis {name!r} is given twice; name each axis once, e.g. dp=2,tp=2")
         shape[name] = value
     return shape
+
+
+def mesh_shape_rest(text: str) -> dict[str, int]:
+    """:func:`mesh_shape` where one axis may be ``-1`` (the rest of the ranks): the ``--mesh`` of
+    ``shardlib.eval``, which becomes the config's ``parallel.mesh``."""
+    return mesh_shape(text, rest=True)
 
 
 def mesh_of(args) -> dict[str, int]:

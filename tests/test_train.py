@@ -113,6 +113,22 @@ def test_mesh_minus_one_takes_the_rest_of_the_world():
     assert mesh_shape(load_config(None, ["parallel.mesh={'dp': -1, 'tp': 2}"]), 8) == {"dp": 4, "tp": 2}
 
 
+def test_the_eval_tools_mesh_takes_the_rest_of_the_ranks_as_the_config_does():
+    """shardlib.eval --mesh dp=-1 was refused, though parallel.mesh={'dp': -1} works (new-user pass);
+    the example scripts' --mesh keeps sizes >= 1."""
+    import argparse
+
+    from shardlib import cli
+
+    assert cli.mesh_shape_rest("dp=-1,tp=2") == {"dp": -1, "tp": 2}
+    assert mesh_shape(load_config(None, [f"parallel.mesh={cli.mesh_shape_rest('dp=-1,tp=2')!r}"]), 8) == {"dp": 4, "tp": 2}
+    for text, match in (("dp=-1,tp=-1", "axis 'tp' has size '-1'"), ("dp=-2", "or -1 for the rest")):
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
+            cli.mesh_shape_rest(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="every size must be an integer >= 1$"):
+        cli.mesh_shape("dp=-1")
+
+
 def test_overrides_in_both_spellings_and_unknown_arguments():
     args, overrides = parse_args(["--config", "c.py", "--set", "train.steps=3", "--optim.lr=0.1", "--train.seed", "4"])
     assert args.config == "c.py" and overrides == ["train.steps=3", "optim.lr=0.1", "train.seed=4"]

@@ -128,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``--config``, ``--ckpt``, ``--mesh``, ``--set``/``--section.key=value``, ``--tasks``
     (with ``--include-path``, ``--limit``, ``--num-fewshot``, ``--batch-size``) and ``--json
     FILE``; print the validation loss (and the task scores) on rank 0."""
-    from ..cli import ArgumentParser, mesh_shape, positive_int
+    from ..cli import ArgumentParser, mesh_shape_rest, positive_int
     from ..config import load_config
     from ..train import parse_args as train_args
 
     p = ArgumentParser(prog="shardlib.eval", description=__doc__)
     p.add_argument("--ckpt", required=True, metavar="PATH", help="a checkpoint, or a folder of them (its newest)")
-    p.add_argument("--mesh", type=mesh_shape, default=None, help="evaluate on this mesh, e.g. dp=2,tp=2 (default: "
-                   "the config's parallel.mesh)")
+    p.add_argument("--mesh", type=mesh_shape_rest, default=None, help="evaluate on this mesh, e.g. dp=2,tp=2 or "
+                   "dp=-1,tp=2 (-1: the rest of the ranks; default: the config's parallel.mesh)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the result here (rank 0)")
     p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (e.g. hellaswag,piqa,winogrande)")
     p.add_argument("--include-path", default=None, metavar="DIR", help="a folder of extra lm-eval YAML tasks")
