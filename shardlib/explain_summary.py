@@ -222,6 +222,6 @@ def summary_lines(plan, tokens: int | None, items: list, activation_checkpointin
         f"parameters: {numel:,} elements in {len(plan.params)} tensors "
         + ("(all trainable)" if trainable == numel else f"({trainable:,} trainable)") + f", {pad:,} padding elements",
     ]
-    lines += (_state_lines(plan) + _peak_lines(plan, tokens, activation_checkpointing, in_flight, accumulating) + _comm_lines(plan, tokens, micro_steps)
-              + _where_lines(plan, items))
+    lines += (_state_lines(plan) + _peak_lines(plan, tokens, activation_checkpointing, in_flight, accumulating)
+              + _comm_lines(plan, tokens, micro_steps) + _where_lines(plan, items))
     return fit(lines)

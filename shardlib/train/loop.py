@@ -7,8 +7,9 @@ forward and backward (``train.grad_accum`` slices, all but the last under ``no_s
 pipeline mesh one ``forward_backward`` over ``parallel.microbatches``), clips to
 ``optim.grad_clip`` and steps AdamW at the scheduled learning rate. With
 ``train.param_dtype="float16"`` the loss is scaled dynamically (:class:`~shardlib.GradScaler`,
-as Megatron's ``--fp16``): a step with an inf/NaN gradient anywhere is skipped on every rank. The loss reported is the mean
-over the global batch, so a config gives the same curve on any mesh, to fp32 rounding.
+as Megatron's ``--fp16``): a step with an inf/NaN gradient anywhere is skipped on every rank.
+The loss reported is the mean over the global batch, so a config gives the same curve on any
+mesh, to fp32 rounding.
 """
 
 from __future__ import annotations
