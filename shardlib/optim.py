@@ -278,13 +278,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero.settle_grads()
         if self.max_grad_norm is not None:
             self.last_grad_norm = clip_grad_norm_(self.smodel, self.max_grad_norm)
+        kept = self._keep_frozen()
         if self.offload is not None:
             self.offload.step(self.optimizer)
         else:
             self.optimizer.step()
+        self._put_back(kept)
         self._zero.after_step()
         self._zero.mesh.trace.next_step()  # the collective trace names steps ("rank 1 finished step 7")
         return loss
+
+    def _keep_frozen(self) -> list:
+        """The elements of this rank's shards (and of their optimizer state) that belong to
+        parameters frozen since ``shard()`` (``requires_grad`` False now, in a trainable chunk),
+        copied: torch skips a parameter whose ``.grad`` is None, but a flat shard is updated as a
+        whole, and weight decay or momentum moved a frozen parameter (found by a new user:
+        AdamW with weight decay 0.1 moved it where one process left it). Nothing when none is."""
+        kept = []
+        flats = self.offload.host_params if self.offload is not None else self._zero.optimizer_params()
+        for chunk, flat in zip([c for c in self._zero.chunks if c.trainable], flats):
+            frozen = [(prm, off) for prm, off in chunk.params if not prm.requires_grad]
+            if not frozen:
+                continue
+            lo = chunk.slot.start if self._zero.stage >= 1 else 0
+            state = self.optimizer.state.get(flat, {})
+            tensors = [flat] + [t for t in state.values() if torch.is_tensor(t) and t.shape == flat.shape]
+            for prm, off in frozen:
+                a, b = max(lo, off) - lo, min(lo + flat.numel(), off + prm.numel()) - lo
+                if a < b:
+                    kept.append((chunk, flat, a, b, [(t, t[a:b].clone()) for t in tensors]))
+        return kept
+
+    def _put_back(self, kept: list) -> None:
+        """Write back what :meth:`_keep_frozen` copied (a state tensor the step created starts
+        from zero gradients there: zeros, as a parameter torch never stepped has none)."""
+        for chunk, flat, a, b, saved in kept:
+            for t, values in saved:
+                t[a:b].copy_(values)
+            if chunk.opt_param is not flat:  # optimizer offload: the device shard took the host's values
+                chunk.opt_param.data[a:b].copy_(flat[a:b])
 
     @torch.no_grad()
     def skip_step(self) -> None:
