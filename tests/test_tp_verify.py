@@ -114,6 +114,72 @@ def test_replicated_parameter_on_split_activations_is_refused_with_its_cause():
     assert "tp_sum_grads" in exc.message
 
 
+class PreNormFF(nn.Module):
+    """A pre-norm feed-forward block in one module (norm, column, GELU, row), not inside a
+    ModuleList: the norm runs on the replicated input, before the split."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, h):
+        return h + self.fc2(F.gelu(self.fc1(self.ln(h))))
+
+
+class PreNormModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = PreNormFF()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.ff(x))
+
+
+@pytest.mark.multiprocess
+def test_a_norm_before_the_column_layer_in_the_same_module_is_not_summed():
+    """Found by a new-user pass: every replicated parameter of a column/row pair's parent was taken
+    to run on split activations (Qwen3's q_norm) and its gradient summed over tp, so this
+    LayerNorm's gradient came out tp times too large; shard() refused the layout, blaming a fused
+    projection or a global size (and with verify=False trained it wrong). A module registered
+    before the group's first column layer is taken to run before the split (verify proves it)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+    specs = {"ff.fc1.weight": P("tp", None), "ff.fc1.bias": P("tp"), "ff.fc2.weight": P(None, "tp")}
+    report = assert_equivalent(PreNormModel, {"tp": 2}, specs, (x, y), steps=3, loss_fn=F.mse_loss)
+    assert not any("ln" in n for n in report["plan"].sp_grad_params), report["plan"].sp_grad_params
+
+
+class LateNormFF(PreNormFF):
+    """The same computation with the norm registered after the projections: taken to run on split
+    activations, it is refused, and the message says what happened (it blamed a fused projection)."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+        self.ln = nn.LayerNorm(8)
+
+
+class LateNormModel(PreNormModel):
+    def __init__(self):
+        super().__init__()
+        self.ff = LateNormFF()
+
+
+@pytest.mark.multiprocess
+def test_a_norm_registered_after_the_projections_but_run_before_is_refused_naming_it():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)
+    specs = {"ff.fc1.weight": P("tp", None), "ff.fc1.bias": P("tp"), "ff.fc2.weight": P(None, "tp")}
+    exc = _refusal(assert_equivalent, LateNormModel, {"tp": 2}, specs, (x, y), steps=1, loss_fn=F.mse_loss)
+    assert "ff.ln.bias, ff.ln.weight run on the replicated input, before the split, but their gradients are summed " \
+           "over 'tp'" in exc.message, exc.message
+    assert "fused projection" not in exc.message
+
+
 @pytest.mark.multiprocess
 def test_tp_sum_grads_makes_it_exact():
     assert_equivalent(ScaledAlpha, {"tp": 2}, ALPHA_SPECS, _ids(), steps=3, loss_fn=lm, tp_sum_grads=["*.alpha"])

@@ -448,17 +448,23 @@ def split_region_params(model: nn.Module, tp_layers) -> tuple[str, ...]:
     it is summed over the tensor axis (HF's tp plan calls this "replicated_with_grad_allreduce").
     Row-layer biases are added once after the reduction, so their gradients are whole already.
     A group whose parent is a block of a ``ModuleList`` (MLP projections directly in OPT's decoder
-    layer) is not searched: the parent's other modules run before the split (``shard(verify=True)``
-    checks every case on the real modules).
+    layer) is not searched: the parent's other modules run before the split. Nor is a module the
+    parent registers before the group's first column layer (a pre-norm feed-forward block: norm,
+    column, row), taken to run on the replicated input; Qwen3 registers its per-head norms after
+    the projections. ``shard(verify=True)`` checks every case on the real modules.
     """
     modules = dict(model.named_modules())
+    order = {name: i for i, name in enumerate(modules)}  # registration order (named_modules walks it)
     in_lists = {f"{name}.{i}" for name, m in modules.items() if isinstance(m, nn.ModuleList) for i in range(len(m))}
     split = split_param_names(tp_layers) | {f"{layer.path}.bias" for layer in tp_layers if layer.kind == "row"}
     parents = {layer.group for layer in tp_layers if layer.group and layer.group not in in_lists}
     names = []
     for parent in sorted(parents):
+        first = min((order[layer.path] for layer in tp_layers if layer.group == parent and layer.kind == "column"),
+                    default=len(order))
         for pname, prm in modules[parent].named_parameters(prefix=parent):
-            if prm.requires_grad and pname not in split:
+            owner = pname.rpartition(".")[0]
+            if prm.requires_grad and pname not in split and not (owner != parent and order[owner] < first):
                 names.append(pname)
     return tuple(dict.fromkeys(names))
 

@@ -147,8 +147,8 @@ def _verify(model: nn.Module, plan: Any, mesh: Any, axis: str, n: int) -> dict:
                 failures.append((unit, what, errors[i], replicated))
             i += 1
     if failures:
-        partial = _partial_sums(model, plan, mesh, axis, failures)
-        raise ShardingError(_message(model, plan, mesh, axis, failures, partial))
+        partial, whole = _partial_sums(model, plan, mesh, axis, failures)
+        raise ShardingError(_message(model, plan, mesh, axis, failures, partial, whole))
     return {"units": [u.path for u, _ in results], "skipped": None, "max_error": max(errors[:-1], default=0.0),
             "unreached": [u.path for u in units if u.inputs is None]}
 
@@ -309,11 +309,13 @@ def _dtype_for(module: nn.Module, unit: _Unit) -> torch.dtype:
 
 
 # -- diagnosis ---------------------------------------------------------------------------------
-def _partial_sums(model, plan, mesh, axis, failures) -> set[str]:
-    """Names of failing replicated parameters whose gradients, summed over the axis, are right
-    (one all-reduce per such parameter, the same list on every rank)."""
+def _partial_sums(model, plan, mesh, axis, failures) -> tuple[set[str], set[str]]:
+    """Names of failing replicated parameters whose gradients, summed over the axis, are right;
+    and of those whose own (unsummed) gradients are right though the lowering sums them (taken
+    to run on split activations, they run before the split). Two all-reduces per such
+    parameter, the same list on every rank."""
     names = sorted({(u.path, r) for u, _, _, r in failures if r is not None})
-    found = set()
+    found, whole = set(), set()
     by_path: dict[str, list[str]] = {}
     for path, r in names:
         by_path.setdefault(path, []).append(r)
@@ -321,15 +323,17 @@ def _partial_sums(model, plan, mesh, axis, failures) -> set[str]:
         unit = next(u for u, _, _, _ in failures if u.path == path)
         n, index = mesh.size(axis), mesh.index(axis)
         sums = _summed_grads(model, plan, mesh, axis, n, index, unit, rels)
-        for name, ok in sums.items():
-            if ok:
+        for name, (summed_ok, own_ok) in sums.items():
+            if summed_ok:
                 found.add(join(path, name))
-    return found
+            elif own_ok and join(path, name) in set(plan.sp_grad_params):
+                whole.add(join(path, name))
+    return found, whole
 
 
-def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bool]:
+def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, tuple[bool, bool]]:
     """Re-run the unit with no gradient sums installed; is the sum over ranks of each named
-    parameter's gradient equal to the unsharded one?"""
+    parameter's gradient equal to the unsharded one, and is each rank's own (max over ranks)?"""
     original = model.get_submodule(unit.path) if unit.path else model
     dtype = _dtype_for(original, unit)
     ref = _working_copy(original, dtype)
@@ -359,12 +363,14 @@ def _summed_grads(model, plan, mesh, axis, n, index, unit, rels) -> dict[str, bo
     floor = 1e-3 * max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
     for name in rels:
         g = have[name].grad.detach().clone() if have[name].grad is not None else torch.zeros_like(have[name])
+        own = torch.tensor([rel_error(g, want[name].grad, floor)], dtype=torch.float64, device=g.device)
+        raw_all_reduce(own, mesh, axis, op="max", note="verify")
         raw_all_reduce(g, mesh, axis, note="verify")
-        out[name] = rel_error(g, want[name].grad, floor) <= TOLERANCE
+        out[name] = (rel_error(g, want[name].grad, floor) <= TOLERANCE, float(own[0]) <= TOLERANCE)
     return out
 
 
-def _message(model, plan, mesh, axis, failures, partial) -> str:
+def _message(model, plan, mesh, axis, failures, partial, whole=frozenset()) -> str:
     n = mesh.size(axis)
     lines = []
     for unit, what, err, replicated in failures[:12]:
@@ -378,6 +384,13 @@ def _message(model, plan, mesh, axis, failures, partial) -> str:
             f"split over {axis!r} (inside the attention heads or on sequence shards): each rank's gradient is a partial sum "
             f"(the sum over the {n} ranks matches). Fix: tp_sum_grads=['<glob>'] to sum their gradients over {axis!r} "
             "(HF calls this replicated_with_grad_allreduce), or split the module that uses them")
+    if whole:
+        causes.append(
+            f"{', '.join(sorted(whole)[:6])} {'runs' if len(whole) == 1 else 'run'} on the replicated input, before the "
+            f"split, but {'its gradient is' if len(whole) == 1 else 'their gradients are'} summed over {axis!r}: "
+            "shardlib takes a module of a column/row pair's parent registered after the first column layer to run on "
+            "split activations (Qwen3's per-head norms). Fix: register it before the column layers in its module's "
+            "__init__, or move it out of that module")
     for unit in {u.path: u for u, _, _, _ in failures}.values():
         m = model.get_submodule(unit.path) if unit.path else model
         if unit.kind == "embedding" and type(m) is not nn.Embedding and type(m).forward is not nn.Embedding.forward:
