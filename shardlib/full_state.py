@@ -185,13 +185,17 @@ def full_grads(smodel: ShardedModule) -> dict[str, torch.Tensor | None]:
     """The reduced (data-axis averaged) gradient of every parameter, full size, on every rank.
 
     For tests and debugging: under stages 1-3 this all-gathers the gradient shards (counted in
-    ``mesh.comm``). Frozen parameters map to ``None``. Keys are canonical parameter names.
+    ``mesh.comm``). Frozen parameters map to ``None``, also one frozen after ``shard()``
+    (``requires_grad`` False now: the gradient torch would not have). Keys are canonical
+    parameter names.
     """
     smodel = _require_sharded(smodel, "full_grads")
     zero = smodel._zero
     flat = {c.index: zero.full_grad_chunk(c) for c in zero.chunks if c.trainable}
     full = _unshard_all(smodel, [pp for pp in smodel.plan.params if pp.requires_grad], flat)
-    out = {pp.name: full.get(pp.name) for pp in smodel.plan.params}
+    live = dict(smodel.module.named_parameters(remove_duplicate=False))
+    out = {pp.name: full.get(pp.name) if pp.name not in live or live[pp.name].requires_grad else None
+           for pp in smodel.plan.params}
     return _merge_over_pipeline(smodel, out)
 
 

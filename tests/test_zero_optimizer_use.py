@@ -113,7 +113,11 @@ def _freeze_after_shard(stage, opt_name, offload):
             opt.step()
             opt.zero_grad()
         runs[sharded] = shardlib.full_state_dict(m) if sharded else {k: v.clone() for k, v in model.state_dict().items()}
-    return {k: (runs[True][k] - v).abs().max().item() for k, v in runs[False].items()}
+        if sharded:  # full_grads: None for the frozen weight (it gave zeros), as its .grad in torch
+            ((m(x) - y) ** 2).mean().backward()
+            grads = shardlib.full_grads(m)
+            runs["grads"] = (grads["0.weight"] is None, grads["0.bias"] is not None)
+    return {k: (runs[True][k] - v).abs().max().item() for k, v in runs[False].items()}, runs["grads"]
 
 
 @pytest.mark.multiprocess
@@ -124,5 +128,6 @@ def test_a_parameter_frozen_after_shard_stays_as_one_process_leaves_it(stage, op
     AdamW's weight decay (and SGD's momentum) kept moving a frozen parameter, where torch skips a
     parameter whose .grad is None (found by a new user: 3.5e-2 off one process). float64, dp=2:
     differences measured 5.6e-17..1.1e-16 (the mean over the batch summed in two halves)."""
-    for rank, diff in enumerate(run_on(2, _freeze_after_shard, stage, opt_name, offload)):
+    for rank, (diff, grads) in enumerate(run_on(2, _freeze_after_shard, stage, opt_name, offload)):
         assert max(diff.values()) < 1e-12, (rank, diff)
+        assert grads == (True, True), (rank, grads)
