@@ -141,6 +141,31 @@ class ShardedModule(nn.Module):
         ptrs.discard(0)
         return lambda t: t.untyped_storage().data_ptr() in ptrs
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ``.double()``, ``.cuda()`` and the like: a conversion that leaves
+        every floating tensor's dtype and device as they are does nothing; any other is refused.
+
+        The parameters are views of the ZeRO chunks' flat buffers; a cast replaced them with
+        new tensors, so under stages 1-2 the optimizer went on updating buffers the module no
+        longer read and training stopped without an error (found by a new user; stage 0 failed
+        in backward with torch's grad-dtype error).
+
+        Raises:
+            ShardingError: a conversion to another dtype or device (on every rank alike, before
+                anything is changed)."""
+        probe = next((p for p in self.module.parameters() if p.is_floating_point()), None)
+        if probe is None:
+            return self
+        out = fn(torch.empty(0, dtype=probe.dtype, device=probe.device))
+        if isinstance(out, torch.Tensor) and out.dtype == probe.dtype and out.device == probe.device:
+            return self
+        got = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else repr(out)
+        raise ShardingError(
+            f"converting a sharded {self.model_name} to {got} (from {probe.dtype} on {probe.device}), as .to(), .half(), "
+            f".double() or .cuda() do: its parameters live in shardlib's flat ZeRO buffers, and new tensors would leave "
+            f"the optimizer updating buffers the module no longer reads. Fix: convert the model before shard() "
+            f"(model.to(...)), or shard(..., param_dtype=...) for mixed precision")
+
     def state_dict(self, *args: Any, **kwargs: Any):
         """The module's state dict; under ZeRO-3 parameters are sharded flat chunks, so this
         raises: use :func:`full_state_dict` (a collective, on every rank). With ``param_dtype``

@@ -131,3 +131,23 @@ def test_a_parameter_frozen_after_shard_stays_as_one_process_leaves_it(stage, op
     for rank, (diff, grads) in enumerate(run_on(2, _freeze_after_shard, stage, opt_name, offload)):
         assert max(diff.values()) < 1e-12, (rank, diff)
         assert grads == (True, True), (rank, grads)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_converting_a_sharded_module_is_refused_and_a_no_op_conversion_passes(stage):
+    """smodel.to(torch.float64) after shard() replaced the chunk views with new tensors: at stages
+    1-2 the optimizer went on updating buffers the module no longer read, so training stopped
+    without an error (found by a new-user pass; stage 0 failed in backward with torch's
+    grad-dtype error). A conversion that changes nothing (the same dtype and device) passes."""
+    mesh = shardlib.init_mesh({"dp": 1})
+    smodel = shardlib.shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), mesh, zero_stage=stage)
+    for convert in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.to("meta")):
+        with pytest.raises(ShardingError, match=r"converting a sharded Sequential to .* \(from torch.float32 on cpu\).* "
+                                                r"Fix: convert the model before shard\(\)"):
+            convert(smodel)
+    assert smodel.to(torch.float32) is smodel and smodel.float() is smodel and smodel.to("cpu") is smodel
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.1)
+    before = shardlib.full_state_dict(smodel)["0.weight"].clone()
+    smodel(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, shardlib.full_state_dict(smodel)["0.weight"])  # still the trained parameters
