@@ -180,6 +180,31 @@ def test_a_parent_that_is_a_file_is_refused_on_every_rank_at_once(tmp_path):
     assert _snapshot(tmp_path) == before
 
 
+def _each_rank_its_own(root, op):
+    """Each rank computes its own folder: a timestamp a second apart (save), its own idea of the
+    newest checkpoint (load)."""
+    smodel, opt = _tiny()
+    rank = torch.distributed.get_rank()
+    if op == "save":
+        return ckpt.save(f"{root}/run-12000{rank}", smodel, opt)
+    return ckpt.load(f"{root}/step_{rank + 1}", smodel, opt)
+
+
+@pytest.mark.multiprocess
+def test_ranks_naming_different_folders_are_refused_on_every_rank(tmp_path):
+    """Found by a new user: save() to a folder per rank reported success with a checkpoint marked
+    complete but missing rank 1's data file (rank 1's was left in an orphaned .partial), and
+    load() of a different checkpoint per rank gave a model mixed from both, silently."""
+    before = _snapshot(tmp_path)
+    _raises_on_every_rank(r"checkpoint\.save: the ranks name different folders \(rank 0: '[^']*/run-120000', rank 1: "
+                          r"'[^']*/run-120001'\): .* Nothing was written", _each_rank_its_own, str(tmp_path), "save")
+    assert _snapshot(tmp_path) == before
+    for step in (1, 2):
+        run_on(2, _save, str(tmp_path / f"step_{step}"), seed=step)
+    _raises_on_every_rank(r"checkpoint\.load: the ranks name different folders \(rank 0: '[^']*/step_1', rank 1: "
+                          r"'[^']*/step_2'\)", _each_rank_its_own, str(tmp_path), "load")
+
+
 def _save_unwritable(path):
     original = os.access
     os.access = lambda p, mode: False if os.path.abspath(p) == os.path.dirname(path) else original(p, mode)

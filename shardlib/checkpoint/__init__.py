@@ -151,7 +151,8 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             a file, a link, a folder that is not a finished shardlib checkpoint, or a finished
             one without ``overwrite``; ``<path>.partial`` or ``<path>.old`` holds something save()
             did not write; the parent of ``path`` is a file or not writable; an optimizer state
-            that is not per element or scalar. On every rank at once: a failure on any rank while
+            that is not per element or scalar. On every rank at once, before anything is
+            written: the ranks name different folders. On every rank at once: a failure on any rank while
             writing (rank 0 making the folder, any rank's DCP write, rank 0's marker and renames),
             naming the ranks and their errors; ``path`` is then as it was, unless the message
             says otherwise.
@@ -207,8 +208,10 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         if failures:
             raise CheckpointError(f"checkpoint.save({path!r}) failed {what} on {describe(failures)}. {left[what]}")
 
-    exchange("checking the paths", None)  # every rank has checked them before rank 0 changes one (else it
-    # might see a half-made folder)
+    try:  # every rank has checked them before rank 0 changes one (else it might see a half-made folder)
+        _same_folder(path, smodel.mesh, "save")
+    except CollectiveError as exc:
+        raise lost(exc, "checking the paths") from exc
     step("making the folder", lambda: prepare_partial(path) if rank == 0 else None)
     step("writing the data files", lambda: watched(  # DCP's collectives, under the watchdog (gloo)
         smodel.mesh, "dcp.save", "checkpoint.save: writing the data files",
@@ -224,6 +227,26 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
 
     step("finishing", finish)
     return path
+
+
+def _same_folder(path: str, mesh, fn: str) -> None:
+    """Every rank names the same folder, checked in one exchange (which also serves as the
+    barrier before the first write or read). Ranks that computed the path each on their own (a
+    timestamp a second apart, their own newest checkpoint) wrote a checkpoint marked complete
+    without some ranks' data files, or loaded a model mixed from two checkpoints, silently
+    (found by a new user).
+
+    Raises:
+        CheckpointError: on every rank, naming each rank's folder.
+        CollectiveError: a peer lost while exchanging (the watchdog's)."""
+    paths = agree({dist.get_rank(): path}, mesh, f"checkpoint.{fn}: after checking the paths")
+    if len(set(paths.values())) > 1:
+        shown = ", ".join(f"rank {r}: {p!r}" for r, p in sorted(paths.items())[:8])
+        raise CheckpointError(
+            f"checkpoint.{fn}: the ranks name different folders ({shown}{', ...' if len(paths) > 8 else ''}): a "
+            f"checkpoint is one folder that every rank {'writes' if fn == 'save' else 'reads'} together. Nothing was "
+            f"{'written' if fn == 'save' else 'read'}. Fix: compute the path once (on rank 0, then broadcast it), or "
+            "from what every rank shares (the step)")
 
 
 def _check_complete(path: str) -> dict:
@@ -295,7 +318,8 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             model; ``optimizer`` given but the checkpoint has no optimizer state, or the state of
             another optimizer class (AdamW saved, SGD given). On every rank at once, after
             reading has started: a data file (``*.distcp``) that cannot be read on some rank
-            (damaged or missing; the file is named); the model may then be partly loaded.
+            (damaged or missing; the file is named); the model may then be partly loaded. On
+            every rank at once, before reading: the ranks name different checkpoints.
         RankFailureError: on the ranks still running, when a rank is killed or frozen while
             reading (a :class:`~shardlib.errors.CollectiveError`; on gloo within
             ``SHARDLIB_WATCHDOG`` seconds), naming it; the checkpoint is as it was.
@@ -374,6 +398,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     for key in wanted:
         if key in saved:
             sd[key] = None
+    _same_folder(path, smodel.mesh, "load")
     planner = LoadPlanner()
     try:  # DCP gathers every rank's read errors: a damaged file read by one rank fails every rank
         watched(smodel.mesh, "dcp.load", "checkpoint.load: reading the data files",  # DCP's collectives, watched
