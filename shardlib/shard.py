@@ -21,6 +21,7 @@ from .errors import ShardingError
 from .mesh.checks import check_on_device
 from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
+from .plan_agree import check_same_plan
 from .state_names import StateName, model_state_names
 
 __all__ = ["ShardedModule", "PipelineModule", "shard", "load_full_state_dict", "full_state_dict", "full_grads", "model_state_bytes"]
@@ -400,6 +401,7 @@ def _check_device(model: nn.Module, plan, mesh) -> None:
 @register_lowering(Plan)
 def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
     _check_device(model, plan, plan.mesh)
+    check_same_plan(plan, plan.mesh)  # the first communication: ranks that planned differently stop here
     report = verify_tensor_parallel(model, plan, plan.mesh)  # refuses what it cannot prove exact, before anything moves
     smodel = ShardedModule(model, plan)
     smodel.verification = report
@@ -412,6 +414,7 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
     from .parallel.pipeline import partition
 
     _check_device(model, pplan.whole, pplan.mesh)
+    check_same_plan(pplan, pplan.mesh)
     report = verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points), pplan.placement)
@@ -455,6 +458,8 @@ def shard(model: nn.Module, mesh: Any, specs: Any = None, **options: Any) -> Sha
         ShardingError: ``model`` is a module ``shard()`` returned, was given to ``shard()``
             before, or contains such a module (build a fresh model, or use the sharded one);
             every check of :func:`~shardlib.plan`. On every rank, before any communication.
+            Then, in the first collective (:func:`~shardlib.plan_agree.check_same_plan`): ranks
+            that planned differently (another model, specs or options), naming what differs.
 
     Example:
         >>> import shardlib

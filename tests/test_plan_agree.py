@@ -1,0 +1,48 @@
+"""shard() refuses, on every rank, ranks that planned different models or options (found by a
+new user: a per-rank zero_stage waited the whole SHARDLIB_TIMEOUT for a process group only some
+ranks created, then raised torch's store error; a per-rank model width ended in a native gloo
+abort with no message)."""
+
+import pytest
+import torch
+from torch import nn
+
+import shardlib
+from shardlib.errors import WorkerError
+from shardlib.plan_agree import plan_summary
+from shardlib.testing import run_on
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _shard(how):
+    mesh = shardlib.init_mesh({"dp": 2})
+    rank = mesh.rank
+    width = 8 + 8 * rank if how == "width" else 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
+    stage = rank + 1 if how == "stage" else 1
+    smodel = shardlib.shard(model, mesh, zero_stage=stage)
+    return type(smodel).__name__
+
+
+@pytest.mark.parametrize("how, words", [
+    ("stage", "(zero_stage: rank 0 1, rank 1 2; parameter 0.weight: rank 0 ((), (8, 4), torch.float32, True, 'P()', "
+              "'zero-1'), rank 1 ((), (8, 4), torch.float32, True, 'P()', 'zero-2');"),
+    ("width", "parameter 0.weight: rank 0 ((), (8, 4), torch.float32, True, 'P()', 'zero-1'), rank 1 ((), (16, 4), "),
+])
+def test_ranks_that_planned_differently_are_refused_on_every_rank(how, words):
+    with pytest.raises(WorkerError) as info:
+        run_on(2, _shard, how, timeout=60)
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1] and {kind for kind, _ in errors.values()} == {"ShardingError"}, errors
+    message = errors[0][1]
+    assert message == errors[1][1] and "shard(): the ranks did not plan the same model: rank 1 differs from rank 0" in \
+        message and words in message and "Nothing was sharded" in message, message
+
+
+def test_the_same_plan_passes_and_its_summary_is_the_same_on_every_rank():
+    assert run_on(2, _shard, "same") == ["ShardedModule"] * 2
+    plan = shardlib.plan(nn.Linear(4, 2), shardlib.AbstractMesh({"dp": 2}), zero_stage=3)
+    summary = dict(plan_summary(plan))
+    assert summary["zero_stage"] == "3" and summary["parameter weight"].startswith("((), (2, 4), torch.float32, True")
