@@ -46,3 +46,26 @@ def test_the_same_plan_passes_and_its_summary_is_the_same_on_every_rank():
     plan = shardlib.plan(nn.Linear(4, 2), shardlib.AbstractMesh({"dp": 2}), zero_stage=3)
     summary = dict(plan_summary(plan))
     assert summary["zero_stage"] == "3" and summary["parameter weight"].startswith("((), (2, 4), torch.float32, True")
+
+
+def _one_rank_makes_a_group():
+    mesh = shardlib.init_mesh({"dp": 2}, timeout=3)
+    if mesh.rank == 0:  # as a collective over a new tuple of axes on some ranks only makes its group
+        mesh.group("dp", channel=7)
+    return "done"
+
+
+def test_a_group_only_some_ranks_make_is_named_when_the_timeout_ends():
+    """It ended in torch's "DistStoreError: wait timeout after ...ms, keys: /default_pg/0//5//cpu//0/1"
+    (found by a new user). Own worker processes: the default group is out of step afterwards."""
+    from shardlib.mesh.launch import WorkerGroup
+
+    group = WorkerGroup(2, timeout=60)
+    try:
+        with pytest.raises(WorkerError) as info:
+            group.run(_one_rank_makes_a_group)
+    finally:
+        group.close()
+    kind, message = info.value.errors[0]
+    assert kind == "CollectiveTimeoutError" and "rank 0 waited 3 s (SHARDLIB_TIMEOUT) for the other ranks to make the " \
+        "process group of mesh axes ('dp',) (ranks [0, 1])" in message and "they never did" in message, message

@@ -327,11 +327,34 @@ class Mesh(AbstractMesh):
             for ranks in self.all_groups(names):
                 key = (dist.group.WORLD, tuple(ranks), self.timeout, channel)
                 if key not in _GROUP_CACHE:
-                    _GROUP_CACHE[key] = dist.new_group(ranks, timeout=self.timeout, backend=self.backend)
+                    _GROUP_CACHE[key] = self._new_group(names, ranks)
                 if self.rank in ranks:
                     mine = _GROUP_CACHE[key]
             self._groups[key_names] = mine
         return self._groups[key_names]
+
+    def _new_group(self, names: tuple[str, ...], ranks: list[int]):
+        """``dist.new_group(ranks)``: every rank of the world makes it, at the same point. A rank
+        that asks for a group the others never ask for (a collective over a tuple of axes on
+        some ranks only) waits for the timeout in torch's store, which said only "wait timeout
+        ... keys: /default_pg/0//5//cpu//0/1" (found by a new user).
+
+        Raises:
+            CollectiveTimeoutError: the other ranks did not make the group within ``timeout``."""
+        import torch.distributed as dist
+
+        try:
+            return dist.new_group(ranks, timeout=self.timeout, backend=self.backend)
+        except RuntimeError as exc:  # DistStoreError under torchrun; "Wait timeout" from other stores
+            if not isinstance(exc, dist.DistStoreError) and "timeout" not in str(exc).lower():
+                raise
+            from ..errors import CollectiveTimeoutError
+
+            raise CollectiveTimeoutError(
+                f"rank {self.rank} waited {self.timeout.total_seconds():.0f} s (SHARDLIB_TIMEOUT) for the other ranks to "
+                f"make the process group of mesh axes {names} (ranks {list(ranks)}), which this rank needs for its first "
+                f"collective over {names}: they never did. Every rank must run the same collectives in the same order "
+                f"(SPMD): a collective over {names} on some ranks only does this. (torch: {str(exc)[:200]})") from exc
 
     def __enter__(self) -> "Mesh":
         self._tokens.append(_CURRENT.set(self))
