@@ -19,7 +19,7 @@ import torch
 
 from .errors import ShardingError
 
-__all__ = ["plan_summary", "check_same_plan"]
+__all__ = ["plan_summary", "check_same_plan", "check_same_values"]
 
 # the whole-model decisions (the same on every rank); per-rank fields (coordinates, local
 # shapes, chunk sizes under an uneven tensor split) are left out
@@ -100,3 +100,47 @@ def check_same_plan(plan: Any, mesh: Any) -> None:
         f"entr{'ies' if len(diffs) != 1 else 'y'} ({shown}{'; ...' if len(diffs) > 4 else ''}). Every rank must "
         "build the same model (the same config and seed) and pass the same specs and options to shard(). Nothing "
         "was sharded")
+
+
+def check_same_values(model: torch.nn.Module, plan: Any, mesh: Any) -> None:
+    """Refuse a model whose parameters differ between the ranks of its tensor axes, before the
+    tensor-parallel check and the lowering: each rank slices its part of the model it built, and
+    its replicated parameters stay its own, so the ranks must hold one model. Data axes need no
+    check (``shard()`` broadcasts from their first rank, as DDP). Ranks seeded differently (no
+    ``torch.manual_seed``, or one seeded with the rank) got a refusal blaming a fused projection
+    or a global size, and with ``verify=False`` trained with different replicated parameters
+    on each tensor rank, silently (found by a new user).
+
+    One float64 sum per parameter (not on meta), compared by two all-reduces (min, max) over the
+    tensor axes; relative tolerance 1e-9 (the same values sum the same on every rank; different
+    draws differ at O(1)).
+
+    Raises:
+        ShardingError: naming the axes and the first parameters that differ, on every rank of
+            the tensor group concerned.
+    """
+    from .mesh.raw import raw_all_reduce
+    from .pipeline_plan import PipelinePlan
+
+    whole = plan.whole if isinstance(plan, PipelinePlan) else plan
+    axes = tuple(dict.fromkeys(layer.axis for layer in whole.tp_layers if mesh.size(layer.axis) > 1))
+    if not axes or getattr(mesh, "fake", False):
+        return
+    named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
+    if not named:
+        return
+    with torch.no_grad():
+        sums = torch.stack([p.detach().double().sum().to(mesh.device) for _, p in named])
+    low, high = sums.clone(), sums.clone()
+    raw_all_reduce(low, mesh, axes, op="min", note="shard: the tensor ranks' initial values")
+    raw_all_reduce(high, mesh, axes, op="max", note="shard: the tensor ranks' initial values")
+    bad = ((high - low).abs() > 1e-9 * torch.maximum(high.abs(), low.abs()).clamp(min=1e-30)).tolist()
+    differ = [(name, float(lo), float(hi)) for (name, _), b, lo, hi in zip(named, bad, low.tolist(), high.tolist()) if b]
+    if differ:
+        shown = "; ".join(f"{n} (sums {lo:.6g} .. {hi:.6g})" for n, lo, hi in differ[:4])
+        raise ShardingError(
+            f"shard(): the ranks of the tensor axes {axes} built different values of {len(differ)} of "
+            f"{type(model).__name__}'s {len(named)} parameters ({shown}{'; ...' if len(differ) > 4 else ''}). "
+            "Tensor parallelism splits one model: each rank keeps its slice of the model it built, and its "
+            "replicated parameters as they are. Fix: build the model from the same seed on every rank "
+            "(torch.manual_seed(seed) before building it, not a per-rank seed), or load the same weights")

@@ -21,7 +21,7 @@ from .errors import ShardingError
 from .mesh.checks import check_on_device
 from .pipeline_plan import PipelinePlan
 from .plan import Plan, plan
-from .plan_agree import check_same_plan
+from .plan_agree import check_same_plan, check_same_values
 from .state_names import StateName, model_state_names
 
 __all__ = ["ShardedModule", "PipelineModule", "shard", "load_full_state_dict", "full_state_dict", "full_grads", "model_state_bytes"]
@@ -402,6 +402,7 @@ def _check_device(model: nn.Module, plan, mesh) -> None:
 def _lower_module(plan: Plan, model: nn.Module) -> ShardedModule:
     _check_device(model, plan, plan.mesh)
     check_same_plan(plan, plan.mesh)  # the first communication: ranks that planned differently stop here
+    check_same_values(model, plan, plan.mesh)
     report = verify_tensor_parallel(model, plan, plan.mesh)  # refuses what it cannot prove exact, before anything moves
     smodel = ShardedModule(model, plan)
     smodel.verification = report
@@ -415,6 +416,7 @@ def _lower_pipeline(pplan: PipelinePlan, model: nn.Module) -> PipelineModule:
 
     _check_device(model, pplan.whole, pplan.mesh)
     check_same_plan(pplan, pplan.mesh)
+    check_same_values(model, pplan, pplan.mesh)
     report = verify_tensor_parallel(model, pplan.whole, pplan.mesh)  # the whole model: every rank checks the same units
     rank = pplan.mesh.index(pplan.pp_axis)
     stage = partition(model, rank, pplan.p, pplan.v, list(pplan.split_points), pplan.placement)

@@ -69,3 +69,26 @@ def test_a_group_only_some_ranks_make_is_named_when_the_timeout_ends():
     kind, message = info.value.errors[0]
     assert kind == "CollectiveTimeoutError" and "rank 0 waited 3 s (SHARDLIB_TIMEOUT) for the other ranks to make the " \
         "process group of mesh axes ('dp',) (ranks [0, 1])" in message and "they never did" in message, message
+
+
+def _seeded(per_rank):
+    from shardlib.models import GPT, GPTConfig, gpt_preset
+
+    mesh = shardlib.init_mesh({"tp": 2})
+    torch.manual_seed(mesh.rank if per_rank else 0)  # the mistake: a per-rank seed
+    preset = gpt_preset()
+    model = GPT(GPTConfig(vocab_size=37, n_layer=1, n_embd=16, n_head=2, block_size=8))
+    return type(shardlib.shard(model, mesh, preset.specs, **preset.options)).__name__
+
+
+def test_tensor_ranks_that_built_different_weights_are_refused_naming_the_seed():
+    """Found by a new user: a per-rank seed got a refusal blaming a fused projection or a global
+    size, and with verify=False trained with different replicated parameters on each tp rank."""
+    with pytest.raises(WorkerError) as info:
+        run_on(2, _seeded, True, timeout=60)
+    errors = info.value.errors
+    assert sorted(errors) == [0, 1] and {kind for kind, _ in errors.values()} == {"ShardingError"}, errors
+    message = errors[0][1]
+    assert "the ranks of the tensor axes ('tp',) built different values of" in message and "wte.weight (sums" in \
+        message and "Fix: build the model from the same seed on every rank" in message, message
+    assert run_on(2, _seeded, False) == ["ShardedModule"] * 2
