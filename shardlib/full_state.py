@@ -348,8 +348,7 @@ def load_full_state_dict(smodel: ShardedModule, state_dict: dict, strict: bool =
         if not any(n in state_dict for n in s.names):
             missing.append(s.names[0])
     for pp in plan.params:
-        names = (pp.name,) + pp.aliases
-        name = next((n for n in names + names_of.get(pp.name, ()) if n in state_dict), None)
+        name = next((n for n in names_of.get(pp.name, (pp.name,) + pp.aliases) if n in state_dict), None)
         if name is not None and tuple(state_dict[name].shape) == pp.global_shape:  # (another shape is in wrong)
             writes.append((pp, state_dict[name]))
     buffers = dict(smodel.module.named_buffers())

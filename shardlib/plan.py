@@ -170,9 +170,8 @@ class Plan(PlanBytes):
                 repeated block into one row per pattern by default).
             activation_checkpointing: the recompute the predicted peak assumes (``"full"``,
                 ``"selective"``, ``False``: none; None: this plan's own option).
-            micro_steps: forward/backward passes per step (gradient accumulation): the
-                communication is per step of that many (ZeRO-3 gathers the parameters and
-                tensor parallelism moves activations in every pass; reductions run once).
+            micro_steps: forward/backward passes per step (gradient accumulation): ZeRO-3's
+                gathers and tensor-parallel activations count once per pass, reductions once.
         """
         from .explain import explain
 

@@ -129,8 +129,8 @@ def check_same_values(model: torch.nn.Module, plan: Any, mesh: Any) -> None:
     named = [(n, p) for n, p in model.named_parameters() if not p.is_meta]
     if not named:
         return
-    with torch.no_grad():
-        sums = torch.stack([p.detach().double().sum().to(mesh.device) for _, p in named])
+    with torch.no_grad():  # summed in float64 without a float64 copy; moved to the mesh's device once
+        sums = torch.stack([p.detach().sum(dtype=torch.float64) for _, p in named]).to(mesh.device)
     low, high = sums.clone(), sums.clone()
     raw_all_reduce(low, mesh, axes, op="min", note="shard: the tensor ranks' initial values")
     raw_all_reduce(high, mesh, axes, op="max", note="shard: the tensor ranks' initial values")

@@ -643,7 +643,7 @@ def _tool_history(folder, name, sets, grow):
     original = shardlib.GradScaler
     if grow:  # the scale doubles after every good step: a resume that did not restore it would differ
         # (from 2**8: the default 2**16 overflows this model's fp16 gradients in step 1, and is skipped)
-        shardlib.GradScaler = lambda: original(init_scale=2.0**8, growth_interval=1)
+        shardlib.GradScaler = lambda enabled=True: original(init_scale=2.0**8, growth_interval=1, enabled=enabled)
     try:
         cfg = load_config(DEFAULT, [*SMALL, "parallel.mesh={'dp': 2}", "train.steps=3", *sets,
                                     f"train.out_dir={folder + '/' + name!r}"])

@@ -121,7 +121,7 @@ class Run:
     start: int = 0  # optimizer steps done (from a resumed checkpoint)
     resumed_from: str | None = None
     resumed_record: dict | None = None  # the checkpoint's step, loss and lr (a resume checks metrics.jsonl by it)
-    scaler: Any = None  # a GradScaler for train.param_dtype="float16" (dynamic loss scaling, as Megatron's --fp16)
+    scaler: Any = None  # a GradScaler, enabled for train.param_dtype="float16" (as Megatron's --fp16)
     history: list = field(default_factory=list)
 
     @property
@@ -139,7 +139,7 @@ class Run:
         extra = dict(step=step, data=self.batches.state_dict(), config=self.cfg.to_dict())
         if record is not None:  # its metrics line: a resume tells this run's metrics.jsonl by it
             extra["record"] = {k: record[k] for k in ("step", "loss", "lr")}
-        if self.scaler is not None:
+        if self.scaler.is_enabled():
             extra["grad_scaler"] = self.scaler.state_dict()
         return self.checkpoints.save(step, self.smodel, self.optimizer, extra, self.is_main)
 
@@ -219,14 +219,14 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
                                        weight_decay=o.weight_decay, betas=tuple(o.betas))
     batches = Batches(corpus, cfg.train.global_batch, cfg.train.seq_len, cfg.train.seed)
     run = Run(cfg, mesh, smodel, optimizer, batches, checkpoints, device, fpt)
-    if cfg.train.param_dtype == "float16":  # fp16's range needs the loss scaled (bf16's does not)
-        run.scaler = shardlib.GradScaler()
+    # fp16's range needs the loss scaled (bf16's does not); disabled, every call passes through
+    run.scaler = shardlib.GradScaler(enabled=cfg.train.param_dtype == "float16")
     path = load if load is not None else checkpoints.latest()
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
         run.start, run.resumed_from, run.resumed_record = int(extra["step"]), path, extra.get("record")
         batches.check_tokens(extra.get("data") or {}, (extra.get("config") or {}).get("data"))
-        if run.scaler is not None and "grad_scaler" in extra:
+        if extra.get("grad_scaler"):
             run.scaler.load_state_dict(extra["grad_scaler"])
         if continue_data:
             batches.load_state_dict(extra["data"])
@@ -382,13 +382,9 @@ def train(cfg: Config, config_path: str | None = None, log=print) -> dict[str, A
             x, y = next(run.batches)
             loss = step_loss(run.smodel, _local(x, run.smodel, run.device), _local(y, run.smodel, run.device),
                              True, accum, run.scaler)
-            scale = None
-            if run.scaler is not None:  # a step with an inf/NaN gradient anywhere is skipped on every rank
-                scale = run.scaler.get_scale()
-                run.scaler.step(run.optimizer)
-                run.scaler.update()
-            else:
-                run.optimizer.step()
+            scale = run.scaler.get_scale() if run.scaler.is_enabled() else None
+            run.scaler.step(run.optimizer)  # a step with an inf/NaN gradient anywhere is skipped on every rank
+            run.scaler.update()
             run.optimizer.zero_grad()
             loss = global_mean(loss, run.smodel)
             dt = time.perf_counter() - t0
