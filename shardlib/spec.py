@@ -346,7 +346,8 @@ def resolve_specs(
 
     Raises:
         ShardingError: ``specs`` neither a mapping nor a sequence of pairs, or an item that is not
-            ``(str, spec)``; a pattern that matches no parameter; a tied parameter whose names are
+            ``(str, spec)``; a pattern that matches no parameter (the message says so when it matches
+            a buffer, which is never sharded); a tied parameter whose names are
             matched by patterns giving different specs.
     """
     rules = _as_rule_list(specs)
@@ -396,6 +397,14 @@ def resolve_specs(
                 raise ShardingError(
                     f"spec pattern {pattern!r} -> {spec} is never used: every parameter it matches is matched first by "
                     f"the earlier pattern {shadow!r} (first match wins). Fix: move {pattern!r} before it, or remove it"
+                )
+            buffers = [n for n, _ in module.named_buffers() if fnmatch.fnmatchcase(n, pattern)]
+            if buffers:
+                raise ShardingError(
+                    f"spec pattern {pattern!r} -> {spec} matches only buffers of {type(module).__name__} "
+                    f"({', '.join(buffers[:4])}{', ...' if len(buffers) > 4 else ''}), no parameter. A buffer is "
+                    "not sharded: every rank holds it whole, as DDP and FSDP keep buffers. Fix: remove the "
+                    "pattern, or make the tensor an nn.Parameter (requires_grad=False) to shard it"
                 )
             all_names = [n for ns in names_of.values() for n in ns]
             sample = ", ".join(all_names[:6]) + (", ..." if len(all_names) > 6 else "")

@@ -101,6 +101,12 @@ CASES = [
          "0.weight, 0.bias, 2.weight, 2.bias", "Fix:"],
     ),
     (
+        "pattern-matches-only-a-buffer",
+        lambda: plan(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), DP2, {"1.running_mean": P("dp")}),
+        ["spec pattern '1.running_mean' -> P('dp')", "matches only buffers of Sequential (1.running_mean)",
+         "A buffer is not sharded", "Fix:"],
+    ),
+    (
         "tied-parameter-conflicting-specs",
         lambda: plan(TiedLM(), DP2, [("lm_head.weight", P("dp")), ("wte.*", P())]),
         ["tied parameter ['wte.weight', 'lm_head.weight']", "shape (37, 10)", "conflicting specs",
