@@ -10,6 +10,11 @@ A module is lowered once. :func:`lower` records every module of the model it is 
 module it returns; :func:`refuse_lowered` (called by :func:`lower`, ``shard()`` and ``plan()``)
 refuses a model that is, or contains, one of them: its parameters already live in the
 first lowering's ZeRO chunks and hooks, and a second set on the same tensors would corrupt both.
+
+Its parameters stay the ones lowered: a parameter registered on one of those modules afterwards
+(an adapter added, a weight replaced or tied anew) is refused where it is assigned
+(:func:`_refuse_new_parameter`, :func:`_refuse_new_module`): it is in no ZeRO chunk and would
+train silently wrong.
 """
 
 from __future__ import annotations
@@ -52,7 +57,13 @@ def lower(plan: Any, model: Any) -> Any:
             refuse_lowered(model)
             call = (_describe(plan, model), type(model).__name__)
             _record(model, "was given to", call)  # before anything moves: a lowering that fails half-way counts
-            out = _LOWERINGS[cls](plan, model)
+            _install_guard()
+            global _busy
+            _busy += 1
+            try:
+                out = _LOWERINGS[cls](plan, model)
+            finally:
+                _busy -= 1
             _record(out, "is part of the module returned by", call)
             _record_root(out, call)
             return out
@@ -96,6 +107,73 @@ def refuse_lowered(model: Any, caller: str = "shard") -> None:
         raise ShardingError(
             f"{caller}(): {name} {how} an earlier {call}, which moved its parameters into the ZeRO chunks and hooks "
             f"of the module it returned; sharding them again would corrupt both. {fix}")
+
+
+_busy = 0  # lowerings in progress: they replace layers and parameters of the modules they were given
+_guard_handles: list = []
+
+
+def _lowered(module: Any) -> tuple | None:
+    seen = _LOWERED.get(id(module))
+    return seen if seen is not None and seen[0]() is module else None
+
+
+def _refuse_new_parameter(module: nn.Module, name: str, param: Any) -> None:
+    """Global parameter-registration hook: refuse a parameter assigned to a module of a lowered model
+    after its lowering (``m.lora_A = nn.Parameter(...)``, ``m.weight = nn.Parameter(t)``, tying
+    ``lm_head.weight = wte.weight`` anew). The lowering put the model's parameters into ZeRO
+    chunks; a new one is in none: its gradient would never be averaged over the data axes, and
+    :class:`~shardlib.ZeroOptimizer` would never update it (or a replaced one's chunk elements
+    would keep training unused), with no error. Local, so every rank that does the same raises.
+
+    Raises:
+        ShardingError: naming the module class, the attribute, the shard() call, and the fix.
+    """
+    seen = None if _busy else _lowered(module)
+    if seen is None or (param is not None and module._parameters.get(name) is param):
+        return None
+    what = "replaces a parameter of" if name in module._parameters else "adds a parameter to"
+    raise ShardingError(
+        f"{type(module).__name__}.{name} = Parameter{tuple(param.shape)} {what} a module after {seen[2][0]}: "
+        f"that call packed the model's parameters into ZeRO chunks, and a parameter registered later is in none, "
+        "so its gradient would never be averaged over the data axes and ZeroOptimizer would never update it (no "
+        "error, ranks drifting apart). Fix: add adapters, new heads and ties to the model before shard(), then shard "
+        "it once; to change the weights of a sharded model, copy values in (smodel.load_state_dict, "
+        "shardlib.checkpoint.load)")
+
+
+def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
+    """Global module-registration hook: refuse a submodule with parameters that no lowering packed
+    (a LoRA wrapper, a fresh layer) assigned into a lowered model; one whose parameters are all
+    lowered already (moving or wrapping a layer of the model), or that has none, passes.
+
+    Raises:
+        ShardingError: naming the new module's parameters and the shard() call.
+    """
+    seen = None if _busy or not isinstance(submodule, nn.Module) else _lowered(module)
+    if seen is None:
+        return None
+    new = [f"{path + '.' if path else ''}{n}" for path, m in submodule.named_modules() if _lowered(m) is None
+           for n, p in m._parameters.items() if p is not None]
+    if not new:
+        return None
+    raise ShardingError(
+        f"{type(module).__name__}.{name} = {type(submodule).__name__}(...) adds the parameters "
+        f"{', '.join(new[:4])}{', ...' if len(new) > 4 else ''} to a module after {seen[2][0]}: that call packed the "
+        "model's parameters into ZeRO chunks, and these are in none, so their gradients would never be averaged "
+        "over the data axes and ZeroOptimizer would never update them (no error, ranks drifting apart). Fix: add "
+        "adapters (LoRA, peft.get_peft_model) and new layers to the model before shard(), then shard it once")
+
+
+def _install_guard() -> None:
+    """Install the two global registration hooks once per process (torch's
+    ``register_module_parameter_registration_hook`` and ``register_module_module_registration_hook``);
+    each is a dictionary lookup for a module no lowering has seen."""
+    if not _guard_handles:
+        from torch.nn.modules import module as torch_module
+
+        _guard_handles.append(torch_module.register_module_parameter_registration_hook(_refuse_new_parameter))
+        _guard_handles.append(torch_module.register_module_module_registration_hook(_refuse_new_module))
 
 
 def _record(module: Any, how: str, call: tuple[str, str]) -> None:

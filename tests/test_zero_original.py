@@ -123,6 +123,47 @@ def test_sharding_the_same_module_twice_is_refused_on_every_rank():
     _assert_on_every_rank(info.value, "ShardingError")
 
 
+def _change_structure_after_shard(stage):
+    _, model, smodel = _shard(zero_stage=stage)
+    lora = nn.Linear(8, 2, bias=False)
+    cases = {  # what a user may write after shard(); the first four would train silently wrong
+        "adapter parameter": lambda: setattr(model[0], "lora_a", nn.Parameter(torch.zeros(2, 8))),
+        "replaced weight": lambda: setattr(model[2], "weight", nn.Parameter(torch.zeros(4, 8))),
+        "adapter module": lambda: setattr(model[0], "lora", lora),
+        "new head on smodel": lambda: setattr(smodel, "head", nn.Linear(4, 1)),
+        "the same weight again": lambda: setattr(model[2], "weight", model[2].weight),
+        "a module without parameters": lambda: setattr(model, "act", nn.GELU()),
+        "a layer of the model moved": lambda: setattr(model, "first", model[0]),
+    }
+    return {name: _refused(fn)[0] for name, fn in cases.items()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_registered_after_shard_is_refused_where_it_is_assigned(stage):
+    """A parameter added to a sharded model (a LoRA adapter, a replaced or newly tied weight) is in
+    no ZeRO chunk: its gradient was never averaged over dp and ZeroOptimizer never updated it,
+    with no error. Now the assignment raises on every rank; re-assigning the same parameter,
+    adding a module without parameters and moving a layer of the model still pass."""
+    for got in run_on(2, _change_structure_after_shard, stage):
+        assert got == {"adapter parameter": "ShardingError", "replaced weight": "ShardingError",
+                       "adapter module": "ShardingError", "new head on smodel": "ShardingError",
+                       "the same weight again": "ok", "a module without parameters": "ok",
+                       "a layer of the model moved": "ok"}, got
+
+
+def _adapter_message():
+    _, model, _ = _shard(zero_stage=1)
+    model[0].lora_a = nn.Parameter(torch.zeros(2, 8))
+
+
+def test_the_refusal_names_the_parameter_the_call_and_the_fix():
+    with pytest.raises(WorkerError, match=r"ShardingError: Linear\.lora_a = Parameter\(2, 8\) adds a parameter to a "
+                       r"module after shardlib\.shard\(Sequential, zero_stage=1, mesh dp=2\).*ZeroOptimizer would never "
+                       r"update it.*Fix: add adapters, new heads and ties to the model before shard\(\)") as info:
+        run_on(2, _adapter_message)
+    _assert_on_every_rank(info.value, "ShardingError")
+
+
 # -- what touching a sharded-away parameter does -----------------------------------------------------
 
 def _touch_everything():
