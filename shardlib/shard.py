@@ -312,7 +312,9 @@ class PipelineModule(ShardedModule):
                 microbatch); each microbatch's loss is divided by the number of microbatches, so
                 the gradients are those of the mean loss over the local batch.
             labels: tensors split like ``x`` along dim 0.
-            return_outputs: also return each microbatch's output on the last stage.
+            return_outputs: also return each microbatch's output on the last stage: a list of
+                ``microbatches`` outputs, detached (a tuple, dict or ``ModelOutput`` keeps its
+                structure, its tensors detached).
 
         Returns:
             ``(losses, outputs)`` on the last stage (per-microbatch losses, unscaled), else

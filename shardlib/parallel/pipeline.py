@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..errors import ShardingError
 from ..mesh.collectives import raw_all_reduce
@@ -362,8 +363,8 @@ class PipelineRunner:
                     if a.stage == last:
                         loss = criterion(out, *[y[mb] for y in ys])
                         losses[mb] = loss.detach()
-                        if return_outputs:
-                            outs[mb] = out.detach()
+                        if return_outputs:  # a tuple, dict or ModelOutput too (torch's pytree, as pipelining's)
+                            outs[mb] = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
                         out = loss / m  # what the backward starts from
                     elif self.owners[a.stage + 1] == self.rank:  # the next stage is this rank's: handed over
                         inbox[Message(ACTIVATION, a.stage, mb)] = out.detach()
