@@ -205,6 +205,49 @@ def test_ranks_naming_different_folders_are_refused_on_every_rank(tmp_path):
                           r"'[^']*/step_2'\)", _each_rank_its_own, str(tmp_path), "load")
 
 
+def _on_own_disks(root, op):
+    """Each rank's "node" has its own disk at the same path, as on a cluster without a shared file
+    system: ``/proc/self/cwd`` is each process's working directory, so one path string names a
+    different folder on each rank (a bind mount per node, without root)."""
+    smodel, opt = _tiny()
+    rank, cwd = torch.distributed.get_rank(), os.getcwd()
+    disk = f"{root}/node{rank if op != 'load-shared' else 0}"
+    os.makedirs(disk, exist_ok=True)
+    os.chdir(disk)
+    try:
+        if op == "save":
+            return ckpt.save("/proc/self/cwd/ck", smodel, opt)
+        if op == "load-shared":  # every rank sees node 0's disk: a finished checkpoint there
+            return ckpt.save("/proc/self/cwd/ck", smodel, opt)
+        if op == "latest":  # the training tool's resume: which checkpoint is newest
+            return ckpt.latest("/proc/self/cwd", smodel.mesh)
+        return ckpt.load("/proc/self/cwd/ck", smodel, opt)
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not os.path.isdir("/proc/self/cwd"), reason="needs Linux's /proc/self/cwd to give ranks own disks")
+def test_ranks_without_a_shared_file_system_are_refused_on_every_rank(tmp_path):
+    """Found by a new user on two torchrun nodes, each with its own disk at the checkpoint path:
+    every save reported success and node 0's folder was marked finished without node 1's data
+    files (those stayed in node 1's .partial); every load of the run failed. A resume where only
+    node 0 saw the checkpoint sent the ranks separate ways until the watchdog."""
+    _raises_on_every_rank(r"checkpoint\.save: not every rank sees the folder rank 0 made, '/proc/self/cwd/ck\.partial' "
+                          r"\(rank 1: no folder made by rank 0 \(FileNotFoundError.*each would write its part to its own "
+                          r"disk\. A checkpoint folder must be on a file system every rank shares", _on_own_disks,
+                          str(tmp_path), "save")
+    assert not os.path.exists(tmp_path / "node0" / "ck") and not os.path.exists(tmp_path / "node1" / "ck")
+    run_on(2, _on_own_disks, str(tmp_path), "load-shared", timeout=RUN_TIMEOUT_S)
+    assert os.path.isdir(tmp_path / "node0" / "ck")
+    _raises_on_every_rank(r"checkpoint\.load\('/proc/self/cwd/ck'\): the ranks see different things there \(rank 0: "
+                          r"a checkpoint saved at [0-9.]+; rank 1: checkpoint '/proc/self/cwd/ck' does not exist \(no "
+                          r"such folder\)\).*Nothing was read", _on_own_disks, str(tmp_path), "load")
+    _raises_on_every_rank(r"checkpoint\.latest: the ranks found different newest checkpoints \(rank 0: "
+                          r"'/proc/self/cwd/ck' in '/proc/self/cwd'; rank 1: none in '/proc/self/cwd'\), so a resume "
+                          r"would load on some ranks and start afresh on others", _on_own_disks, str(tmp_path), "latest")
+
+
 def _save_unwritable(path):
     original = os.access
     os.access = lambda p, mode: False if os.path.abspath(p) == os.path.dirname(path) else original(p, mode)

@@ -56,6 +56,7 @@ from ._export import export_safetensors
 from ._files import (MARKER, OLD, PARTIAL, CheckpointError, Reader, agree, check_save_target, describe, failure_of,
                      finish_partial, prepare_partial, remove_checkpoint, read_marker, short_error, watched)
 from ._fit import fit_problems
+from ._shared import same_checkpoint, same_folder, same_latest, seen_by_every_rank
 from ._layout import entries, global_pieces, load_targets, region
 from ._planner import Boxes, LoadPlanner, SavePlanner
 from ._optimizer import element_keys, element_states, inner_optimizer, optimizer_kind, optimizer_params, per_element
@@ -152,7 +153,9 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             one without ``overwrite``; ``<path>.partial`` or ``<path>.old`` holds something save()
             did not write; the parent of ``path`` is a file or not writable; an optimizer state
             that is not per element or scalar. On every rank at once, before anything is
-            written: the ranks name different folders. On every rank at once: a failure on any rank while
+            written: the ranks name different folders; some ranks do not see the folder rank 0
+            made (no shared file system: each node's ranks would write to their own disk). On
+            every rank at once: a failure on any rank while
             writing (rank 0 making the folder, any rank's DCP write, rank 0's marker and renames),
             naming the ranks and their errors; ``path`` is then as it was, unless the message
             says otherwise.
@@ -209,10 +212,14 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             raise CheckpointError(f"checkpoint.save({path!r}) failed {what} on {describe(failures)}. {left[what]}")
 
     try:  # every rank has checked them before rank 0 changes one (else it might see a half-made folder)
-        _same_folder(path, smodel.mesh, "save")
+        same_folder(path, smodel.mesh, "save")
     except CollectiveError as exc:
         raise lost(exc, "checking the paths") from exc
     step("making the folder", lambda: prepare_partial(path) if rank == 0 else None)
+    try:  # a folder on each node's own disk: every save "succeeded" without the other nodes' data files
+        seen_by_every_rank(tmp, smodel.mesh, "checkpoint.save: after making the folder")
+    except CollectiveError as exc:
+        raise lost(exc, "making the folder") from exc
     step("writing the data files", lambda: watched(  # DCP's collectives, under the watchdog (gloo)
         smodel.mesh, "dcp.save", "checkpoint.save: writing the data files",
         lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())))
@@ -227,26 +234,6 @@ def save(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
 
     step("finishing", finish)
     return path
-
-
-def _same_folder(path: str, mesh, fn: str) -> None:
-    """Every rank names the same folder, checked in one exchange (which also serves as the
-    barrier before the first write or read). Ranks that computed the path each on their own (a
-    timestamp a second apart, their own newest checkpoint) wrote a checkpoint marked complete
-    without some ranks' data files, or loaded a model mixed from two checkpoints, silently
-    (found by a new user).
-
-    Raises:
-        CheckpointError: on every rank, naming each rank's folder.
-        CollectiveError: a peer lost while exchanging (the watchdog's)."""
-    paths = agree({dist.get_rank(): path}, mesh, f"checkpoint.{fn}: after checking the paths")
-    if len(set(paths.values())) > 1:
-        shown = ", ".join(f"rank {r}: {p!r}" for r, p in sorted(paths.items())[:8])
-        raise CheckpointError(
-            f"checkpoint.{fn}: the ranks name different folders ({shown}{', ...' if len(paths) > 8 else ''}): a "
-            f"checkpoint is one folder that every rank {'writes' if fn == 'save' else 'reads'} together. Nothing was "
-            f"{'written' if fn == 'save' else 'read'}. Fix: compute the path once (on rank 0, then broadcast it), or "
-            "from what every rank shares (the step)")
 
 
 def _check_complete(path: str) -> dict:
@@ -306,7 +293,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         The ``extra`` dict given to :func:`save` (``{}`` if none).
 
     Raises:
-        CheckpointError: on every rank before any communication: ``path`` missing, a file, or a
+        CheckpointError: on every rank, after one exchange of the path and what each rank finds
+            there (before any reading): the ranks name different folders, or see different
+            things there (no shared file system: named per rank); ``path`` missing, a file, or a
             save that did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a
             damaged ``shardlib_checkpoint.json`` or ``.metadata`` (the file is named); a parameter,
             buffer or per-element optimizer state of another global shape; with ``strict``, a
@@ -318,8 +307,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             model; ``optimizer`` given but the checkpoint has no optimizer state, or the state of
             another optimizer class (AdamW saved, SGD given). On every rank at once, after
             reading has started: a data file (``*.distcp``) that cannot be read on some rank
-            (damaged or missing; the file is named); the model may then be partly loaded. On
-            every rank at once, before reading: the ranks name different checkpoints.
+            (damaged or missing; the file is named); the model may then be partly loaded.
         RankFailureError: on the ranks still running, when a rank is killed or frozen while
             reading (a :class:`~shardlib.errors.CollectiveError`; on gloo within
             ``SHARDLIB_WATCHDOG`` seconds), naming it; the checkpoint is as it was.
@@ -329,7 +317,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         raise TypeError(f"checkpoint.load() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
     path = os.path.abspath(os.fspath(path))
     inner = inner_optimizer(optimizer)
-    info = _check_complete(path)
+    info = same_checkpoint(path, smodel.mesh, _check_complete)  # the same folder and content on every rank
     reader = Reader(path)
     try:
         metadata = reader.read_metadata()
@@ -398,7 +386,6 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     for key in wanted:
         if key in saved:
             sd[key] = None
-    _same_folder(path, smodel.mesh, "load")
     planner = LoadPlanner()
     try:  # DCP gathers every rank's read errors: a damaged file read by one rank fails every rank
         watched(smodel.mesh, "dcp.load", "checkpoint.load: reading the data files",  # DCP's collectives, watched
@@ -442,7 +429,7 @@ def remove(path: str | os.PathLike) -> None:
     remove_checkpoint(os.fspath(path))
 
 
-def latest(folder: str | os.PathLike) -> str | None:
+def latest(folder: str | os.PathLike, mesh: Any = None) -> str | None:
     """The newest finished checkpoint under ``folder`` (by the time in its marker), or None.
 
     Unfinished ``*.partial`` folders are ignored. A checkpoint whose ``shardlib_checkpoint.json``
@@ -451,10 +438,21 @@ def latest(folder: str | os.PathLike) -> str | None:
 
     Args:
         folder: a folder of checkpoint folders (``train_gpt.py``'s ``--ckpt-dir``).
+        mesh: with a mesh (collective: every rank calls it), the ranks compare what they found
+            in one exchange, so that a resume takes one branch on every rank.
 
     Returns:
         The path of the newest checkpoint in ``folder``, None if it has none (or is no folder).
+
+    Raises:
+        CheckpointError: with ``mesh``, on every rank: the ranks found different checkpoints
+            (``folder`` on no shared file system, or ranks naming different folders), named per rank.
     """
+    found = _newest(folder)
+    return found if mesh is None else same_latest(os.fspath(folder), found, mesh)
+
+
+def _newest(folder: str | os.PathLike) -> str | None:
     best, best_time = None, -math.inf
     folder = os.fspath(folder)
     if not os.path.isdir(folder):

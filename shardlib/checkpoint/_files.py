@@ -220,7 +220,7 @@ def prepare_partial(path: str) -> None:
     os.makedirs(tmp)
     try:
         with open(os.path.join(tmp, OWNER), "w") as f:
-            json.dump(dict(writer="shardlib", target=path, time=time.time()), f)
+            json.dump(dict(writer="shardlib", target=path, time=time.time(), token=os.urandom(8).hex()), f)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # just made, without the file that makes it ours
         raise

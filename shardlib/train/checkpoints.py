@@ -88,9 +88,11 @@ class Checkpoints:
                 "with those files. Fix: --set checkpoint.dir= an empty or new folder (or the folder of the run's "
                 "step_NNNNNN checkpoints)")
 
-    def latest(self) -> str | None:
-        """The checkpoint to resume from: the newest finished one in ``dir`` when ``resume``, else None."""
-        return checkpoint.latest(self.dir) if self.dir and self.resume else None
+    def latest(self, mesh: Any = None) -> str | None:
+        """The checkpoint to resume from: the newest finished one in ``dir`` when ``resume``, else
+        None; with ``mesh``, the same on every rank (:func:`shardlib.checkpoint.latest` refuses ranks
+        that found different ones: ``dir`` on no shared file system)."""
+        return checkpoint.latest(self.dir, mesh) if self.dir and self.resume else None
 
     def due(self, step: int) -> bool:
         """Whether to save after optimizer step ``step`` (1-based): every ``interval``, and the last."""

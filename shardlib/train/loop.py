@@ -221,7 +221,7 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     run = Run(cfg, mesh, smodel, optimizer, batches, checkpoints, device, fpt)
     # fp16's range needs the loss scaled (bf16's does not); disabled, every call passes through
     run.scaler = shardlib.GradScaler(enabled=cfg.train.param_dtype == "float16")
-    path = load if load is not None else checkpoints.latest()
+    path = load if load is not None else checkpoints.latest(mesh)  # one branch on every rank
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
         run.start, run.resumed_from, run.resumed_record = int(extra["step"]), path, extra.get("record")

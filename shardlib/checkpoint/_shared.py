@@ -1,0 +1,130 @@
+"""One checkpoint folder that every rank sees: the checks that the ranks name the same folder
+and find the same thing in it, each one object exchange (``all_gather_object``), so that ranks
+that disagree are refused together instead of writing or reading apart.
+
+DCP (``torch.distributed.checkpoint``) writes one folder from every rank and reads it from every
+rank: it needs the folder on a file system the ranks share (NFS, Lustre, a node's own disk only
+when every rank is on that node). On a cluster without one, each node's ranks wrote into their
+own disk's copy of the path: every save reported success and rank 0's folder was marked
+complete without the other node's data files; a resume found a checkpoint on one node and none
+on the other, and the ranks went separate ways until the watchdog (found by a new-user pass).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch.distributed as dist
+
+from ._files import OWNER, CheckpointError, agree, short_error
+
+__all__ = ["same_folder", "seen_by_every_rank", "same_checkpoint", "same_latest"]
+
+SHARED_FS = ("A checkpoint folder must be on a file system every rank shares (NFS, Lustre, ...; DCP writes and "
+             "reads one folder from every rank)")
+
+
+def same_folder(path: str, mesh, fn: str) -> None:
+    """Every rank names the same folder, checked in one exchange (which also serves as the
+    barrier before the first write). Ranks that computed the path each on their own (a
+    timestamp a second apart, their own newest checkpoint) wrote a checkpoint marked complete
+    without some ranks' data files, or loaded a model mixed from two checkpoints, silently
+    (found by a new user).
+
+    Raises:
+        CheckpointError: on every rank, naming each rank's folder.
+        CollectiveError: a peer lost while exchanging (the watchdog's)."""
+    paths = agree({dist.get_rank(): path}, mesh, f"checkpoint.{fn}: after checking the paths")
+    _refuse_other_paths(paths, fn)
+
+
+def _refuse_other_paths(paths: dict[int, str], fn: str) -> None:
+    if len(set(paths.values())) > 1:
+        shown = ", ".join(f"rank {r}: {p!r}" for r, p in sorted(paths.items())[:8])
+        raise CheckpointError(
+            f"checkpoint.{fn}: the ranks name different folders ({shown}{', ...' if len(paths) > 8 else ''}): a "
+            f"checkpoint is one folder that every rank {'writes' if fn == 'save' else 'reads'} together. Nothing was "
+            f"{'written' if fn == 'save' else 'read'}. Fix: compute the path once (on rank 0, then broadcast it), or "
+            "from what every rank shares (the step)")
+
+
+def _grouped(seen: dict[int, str]) -> str:
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(seen.items()):
+        by_text.setdefault(text, []).append(rank)
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {t}" for t, r in by_text.items())
+
+
+def seen_by_every_rank(tmp: str, mesh, note: str) -> None:
+    """Save, after rank 0 made ``tmp`` (``<path>.partial``) with its ownership file: every rank
+    reads that file (it holds a random token of this save), and the ranks compare what they read
+    in one exchange.
+
+    Raises:
+        CheckpointError: on every rank, naming the ranks that do not see rank 0's folder; nothing
+            was written but rank 0's empty ``tmp`` (the next save to the path removes it).
+        CollectiveError: a peer lost while exchanging."""
+    try:
+        with open(os.path.join(tmp, OWNER)) as f:
+            token = str(json.load(f).get("token"))
+    except (OSError, ValueError) as exc:
+        token = f"no folder made by rank 0 ({short_error(exc)})"
+    seen = agree({dist.get_rank(): token}, mesh, note)
+    blind = {r: (t if t.startswith("no folder") else "an older folder, not the one rank 0 just made")
+             for r, t in seen.items() if t != seen[0]}
+    if blind:
+        raise CheckpointError(
+            f"checkpoint.save: not every rank sees the folder rank 0 made, {tmp!r} ({_grouped(blind)}): the ranks do "
+            f"not share a file system there, and each would write its part to its own disk. {SHARED_FS}. Nothing was "
+            "written. Fix: a checkpoint directory on a shared file system")
+
+
+def same_checkpoint(path: str, mesh, check: Callable[[str], dict]) -> dict:
+    """Load, before reading: every rank names ``path`` and runs ``check(path)`` (is it a finished
+    checkpoint: its marker's content, or the CheckpointError), and the ranks compare in one
+    exchange. The same error on every rank is raised on every rank; a checkpoint some ranks see
+    and others do not (or see another save of) is refused.
+
+    Returns:
+        ``check``'s result (the checkpoint's marker), the same on every rank.
+
+    Raises:
+        CheckpointError: on every rank: different paths (named per rank); ``check``'s error where
+            every rank got it; ranks that see different things at ``path`` (named per rank).
+        CollectiveError: a peer lost while exchanging."""
+    try:
+        info, seen = check(path), None
+        seen = "a checkpoint saved at " + str(info.get("time")) + " " + json.dumps(info, sort_keys=True, default=str)
+    except CheckpointError as exc:
+        info, seen = None, f"{type(exc).__name__}: {exc}"
+    views = agree({dist.get_rank(): (path, seen)}, mesh, "checkpoint.load: after checking the paths")
+    _refuse_other_paths({r: p for r, (p, _) in views.items()}, "load")
+    if len({s for _, s in views.values()}) > 1:
+        shown = {r: (s.split(" {")[0] if s.startswith("a checkpoint") else s.split(": ", 1)[1]) for r, (_, s) in
+                 views.items()}
+        raise CheckpointError(
+            f"checkpoint.load({path!r}): the ranks see different things there ({_grouped(shown)}): the ranks do not "
+            f"share a file system there. {SHARED_FS}. Nothing was read. Fix: a checkpoint directory on a shared file "
+            "system")
+    if info is None:
+        raise CheckpointError(seen.split(": ", 1)[1])
+    return info
+
+
+def same_latest(folder: str, found: str | None, mesh) -> str | None:
+    """:func:`~shardlib.checkpoint.latest` with a mesh: the ranks compare the newest checkpoint each
+    found in ``folder`` (``found``) in one exchange.
+
+    Raises:
+        CheckpointError: on every rank, naming what each rank found.
+        CollectiveError: a peer lost while exchanging."""
+    seen = agree({dist.get_rank(): (folder, found)}, mesh, "checkpoint.latest: after finding the newest checkpoint")
+    if len(set(seen.values())) > 1:
+        shown = {r: (f"{f!r} in {d!r}" if f is not None else f"none in {d!r}") for r, (d, f) in seen.items()}
+        raise CheckpointError(
+            f"checkpoint.latest: the ranks found different newest checkpoints ({_grouped(shown)}), so a resume would "
+            f"load on some ranks and start afresh on others. {SHARED_FS}. Nothing was read. Fix: a checkpoint "
+            "directory on a shared file system, named the same on every rank")
+    return found
