@@ -442,3 +442,17 @@ def test_a_verdict_published_during_a_diagnosis_ends_it(monkeypatch):
         assert dog1.verdicts.acknowledged(gen)
     finally:
         _stop(dogs)
+
+
+def test_a_rank_whose_process_exited_without_records_is_waited_for_in_vain():
+    """A script caught an error on pipeline rank 0 and exited; rank 1 waited to receive from it,
+    and the verdict said "a collective is taking long: every rank waits in the same one" above
+    "rank 0: its process exited normally" (new-user pass, 03_gpt_pipeline_seq_longer_than_
+    block_size.py): an exit record without records counted as having issued everything."""
+    recv = _rec(0, kind="recv", group="pp[0,1]", note="activation of stage 0 microbatch 0 from rank 0")
+    states = {0: _state(0, "exited", None), 1: _state(1, "waiting", [recv], recv)}
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "RankFailureError", text
+    assert text.startswith("rank 0 ended (the process exited) while rank 1 waits for it in a collective that can never "
+                           "complete."), text
+    assert "every rank waits in the same one" not in text and "its process exited normally" in text

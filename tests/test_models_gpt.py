@@ -35,6 +35,10 @@ def test_no_targets_gives_no_loss_and_short_sequences_work():
 def test_sequence_longer_than_block_size_is_rejected():
     with pytest.raises(ValueError, match="exceeds block_size=16"):
         _model()(torch.zeros(1, 17, dtype=torch.long))
+    # the pipeline's first layer too: it gave IndexError "index out of range in self" (new-user pass)
+    name, modules, embed = _model().pipeline_layers()[0]
+    with pytest.raises(ValueError, match="sequence length 17 exceeds block_size=16"):
+        embed(modules.__getitem__, torch.zeros(1, 17, dtype=torch.long))
 
 
 def test_initial_loss_is_close_to_uniform():

@@ -178,8 +178,10 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     # a rank that is alive but did not answer (a long call holding the GIL) may still be on its way
     busy = [s for s in ranks if s["status"] in ("busy", "silent")]
     finished = {s["rank"]: s for s in ranks if s["status"] in ("returned", "exited")}
+    # a process that exited without its records can never take part again: its peers' waits are stuck
     done = [s for s in ranks if s["status"] == "waiting" and any(
-        not _issued(finished[m], s["waiting"]) for m in _members(s["waiting"]["group"]) if m in finished)]
+        not _issued(finished[m], s["waiting"]) or (finished[m]["status"] == "exited" and finished[m].get("records") is None)
+        for m in _members(s["waiting"]["group"]) if m in finished)]
     diff = first_difference(states)
     crossed = _crossed_p2p(states)
     untraced = not busy and diff is None and any(s["status"] == "untraced" for s in ranks) and any(
@@ -193,6 +195,14 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         kind = "is" if len(hard_lost) == 1 else "are"
         lines.append(f"{head} {kind} {'gone or frozen' if len(hard_lost) > 1 else hard_lost[0]['status'].replace('stopped', 'frozen')}: "
                      f"the other ranks wait for {'it' if len(hard_lost) == 1 else 'them'} in their collectives.")
+        cls = "RankFailureError"
+    elif done and not diff and all(finished[m]["status"] == "exited" for s in done for m in _members(s["waiting"]["group"])
+                                   if m in finished):
+        gone = sorted({m for s in done for m in _members(s["waiting"]["group"]) if m in finished})
+        waiters = ", ".join(str(s["rank"]) for s in done)
+        lines.append(f"rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))} ended (the process exited) while "
+                     f"rank{'s' * (len(done) > 1)} {waiters} wait{'s' * (len(done) == 1)} for "
+                     f"{'it' if len(gone) == 1 else 'them'} in a collective that can never complete.")
         cls = "RankFailureError"
     elif not fatal:
         lines.append("a collective waits for a rank that is still on its way (busy outside any collective, or not "

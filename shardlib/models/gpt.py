@@ -256,11 +256,7 @@ class GPT(nn.Module):
             ValueError: ``T`` is longer than ``block_size``.
         """
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(
-                f"GPT.forward: sequence length {T} exceeds block_size={self.config.block_size}; "
-                "feed shorter windows or build the model with a larger block_size"
-            )
+        self._check_length(T)
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
         for block in self.blocks:
@@ -277,6 +273,13 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
+    def _check_length(self, T: int) -> None:
+        if T > self.config.block_size:
+            raise ValueError(
+                f"GPT.forward: sequence length {T} exceeds block_size={self.config.block_size}; "
+                "feed shorter windows or build the model with a larger block_size"
+            )
+
     def pipeline_layers(self) -> list:
         """The forward pass as an ordered list of layers, for pipeline parallelism.
 
@@ -286,6 +289,7 @@ class GPT(nn.Module):
         first layer takes token ids ``(B, T)``; the last returns logits ``(B, T, V)``.
         """
         def embed(get, idx):
+            self._check_length(idx.shape[1])  # the first stage's rank raises; its peers' verdict names it
             pos = torch.arange(idx.shape[1], device=idx.device)
             return get("drop")(get("wte")(idx) + get("wpe")(pos))  # (B, T, C)
 
