@@ -456,3 +456,11 @@ def test_a_rank_whose_process_exited_without_records_is_waited_for_in_vain():
     assert text.startswith("rank 0 ended (the process exited) while rank 1 waits for it in a collective that can never "
                            "complete."), text
     assert "every rank waits in the same one" not in text and "its process exited normally" in text
+    # as the watchdog sees it: rank 0's exit record holds the pipeline's first exchange (an object
+    # gather on the same group, numbered apart from point to point), not the send rank 1 waits for
+    gather = _rec(0, kind="all_gather_object", group="pp[0,1]")
+    states = {0: _state(0, "exited", [gather]), 1: _state(1, "waiting", [gather, recv], recv)}
+    fatal, cls, text = analyze(states, 2)
+    assert fatal and cls == "RankFailureError" and text.startswith("rank 0 ended (the process exited)"), text
+    send = _rec(0, kind="send", group="pp[0,1]")  # it sent, then exited: rank 1 was only slow to see it
+    assert not analyze({0: _state(0, "exited", [gather, send]), 1: states[1]}, 2)[0]

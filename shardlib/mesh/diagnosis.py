@@ -85,7 +85,8 @@ def _issued(state: dict, rec: dict) -> bool:
     records = state.get("records")
     if records is None:
         return True
-    return any(r["group"] == rec["group"] and r["gseq"] >= rec["gseq"] and r["kind"] not in ("send", "recv")
+    p2p = rec["kind"] in ("send", "recv")  # point to point is numbered apart from the collectives of its group
+    return any(r["group"] == rec["group"] and r["gseq"] >= rec["gseq"] and (r["kind"] in ("send", "recv")) == p2p
                for r in records)
 
 
