@@ -68,7 +68,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple, Any]]] = {
     "parallel": {
         "mesh": ((dict,), {"dp": 1}), "zero_stage": ((int,), 0), "data_axes": ((tuple, list, type(None)), None),
         "sequence_parallel": ((bool,), False), "schedule": ((str, type(None)), None), "microbatches": ((int,), 1),
-        "virtual_stages": ((int,), 1), "activation_checkpointing": ((str, int, bool, type(None)), None),
+        "virtual_stages": ((int, type(None)), None), "activation_checkpointing": ((str, int, bool, type(None)), None),
         "offload_ratio": ((*_NUM, type(None)), None), "optimizer_offload": ((bool,), False),
         "offload_param_frac": (_NUM, 0.0),
     },

@@ -72,6 +72,15 @@ def test_deadlock_and_bad_schedules_are_reported():
         gpipe(2, 2, 2)
 
 
+def test_interleaved_1f1b_defaults_to_two_chunks_and_refuses_one():
+    """schedule='interleaved_1f1b' without virtual_stages ran plain 1F1B (one chunk per rank),
+    silently (new-user pass): it now takes its own default of 2, and 1 is refused naming 1F1B."""
+    assert build_schedule("interleaved_1f1b", 2, 4) == interleaved_1f1b(2, 4, 2) != one_f_one_b(2, 4)
+    with pytest.raises(ShardingError, match=r"interleaved_1f1b with virtual_stages=1 is the plain 1F1B schedule.*"
+                                            r"Fix: virtual_stages=2 \(the default\), or schedule='1f1b'"):
+        build_schedule("interleaved_1f1b", 2, 4, 1)
+
+
 def test_grid_prints_step_by_rank():
     text = format_grid(simulate(one_f_one_b(3, 4)))
     lines = text.splitlines()

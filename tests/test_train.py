@@ -83,6 +83,7 @@ def test_batches_are_addressed_by_index_and_resume_on_the_next_one():
     (["optim.betas=[0.9]"], 1, r"'optim.betas' must be two numbers in \[0, 1\).*got \[0.9\]"),  # (torch's IndexError)
     (["optim.betas=(0.9, 1.5)"], 1, r"'optim.betas' must be two numbers"),
     (["train.param_dtype='half'"], 1, "'train.param_dtype' must be 'bfloat16'"),
+    (["train.peak_tflops=-1"], 1, r"'train.peak_tflops' must be > 0 .*got -1"),  # (it logged MFU -0.00025)
     (["model.n_embd=100", "model.n_head=3"], 1, "n_embd must be divisible by n_head"),
     (["model.builder='palm'", "parallel.mesh={'tp': 2}"], 2, r"'model.n_kv_head' \(1\) is not divisible by the tp"),
     (["model.builder='llama'", "model.n_kv_head=3"], 1, "n_head must be divisible by n_kv_head"),
@@ -107,6 +108,13 @@ def test_pipeline_keys_on_a_mesh_without_pp_are_named_not_refused():
     assert pipeline_keys_unused(cfg, {"pp": 1, "dp": 2}) == ["parallel.schedule='gpipe'", "parallel.microbatches=4"]
     assert pipeline_keys_unused(cfg, {"pp": 2}) == []
     assert pipeline_keys_unused(load_config(DEFAULT, []), {"dp": 2}) == []
+    # virtual_stages: None is the schedule's own (2 for interleaved_1f1b, which ran 1F1B with the old default 1)
+    cfg = load_config(DEFAULT, ["parallel.virtual_stages=2"])
+    assert pipeline_keys_unused(cfg, {"dp": 2}) == ["parallel.virtual_stages=2"]
+    from shardlib.train.build import sharding
+
+    opts = sharding(load_config(DEFAULT, ["parallel.schedule='interleaved_1f1b'"]), {"pp": 2})[1]
+    assert "virtual_stages" not in opts and opts["schedule"] == "interleaved_1f1b"
 
 
 def test_mesh_minus_one_takes_the_rest_of_the_world():

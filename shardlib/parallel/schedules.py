@@ -76,9 +76,14 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> list[list[Action]]:
     reversed. Rank ``r`` warms up with ``2 (p - r - 1) + (v - 1) p`` forwards.
 
     Raises:
-        ShardingError: ``m`` not divisible by ``p`` (Megatron's requirement).
+        ShardingError: ``m`` not divisible by ``p`` (Megatron's requirement); ``v`` = 1 (that is
+            1F1B: a plan asking for the interleaved schedule ran plain 1F1B, silently).
     """
     _check(p, m, v, "interleaved_1f1b")
+    if v == 1:
+        raise ShardingError(
+            "interleaved_1f1b with virtual_stages=1 is the plain 1F1B schedule (one model chunk per rank): the "
+            "interleaving needs two chunks per rank at least. Fix: virtual_stages=2 (the default), or schedule='1f1b'")
     if m % p:
         raise ShardingError(
             f"interleaved 1F1B needs the number of microbatches ({m}) to be a multiple of the pipeline size ({p}), "
@@ -127,8 +132,9 @@ def placement(name: str) -> str:
 
 def default_virtual_stages(name: str) -> int:
     """The chunks per rank schedule ``name`` runs when ``virtual_stages`` is not given: 2 for
-    the V schedules, else 1."""
-    return 2 if placement(name) == "v" else 1
+    the V schedules and interleaved 1F1B (its own default, as Megatron's virtual pipeline needs
+    two chunks at least), else 1."""
+    return 2 if placement(name) == "v" or name == "interleaved_1f1b" else 1
 
 
 def splits_backward(schedule: list[list[Action]]) -> bool:

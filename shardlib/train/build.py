@@ -128,7 +128,7 @@ def sharding(cfg: Config, shape: dict[str, int], model: nn.Module | None = None)
     pipelined = shape.get("pp", 1) > 1
     if pipelined:
         options.update(schedule=p.schedule or "1f1b", microbatches=p.microbatches)
-        if p.virtual_stages > 1:
+        if p.virtual_stages is not None:  # None: the schedule's own (2 for interleaved_1f1b and the V schedules)
             options["virtual_stages"] = p.virtual_stages
     specs: dict = {}
     if shape.get("tp", 1) > 1 and cfg.model.builder == "hf":
@@ -201,7 +201,7 @@ def pipeline_keys_unused(cfg: Config, shape: dict[str, int]) -> list[str]:
     if shape.get("pp", 1) > 1:
         return []
     p = cfg.parallel
-    return [f"parallel.{k}={p[k]!r}" for k, off in (("schedule", None), ("microbatches", 1), ("virtual_stages", 1))
+    return [f"parallel.{k}={p[k]!r}" for k, off in (("schedule", None), ("microbatches", 1), ("virtual_stages", None))
             if p[k] != off]
 
 
@@ -240,6 +240,9 @@ def check_run(cfg: Config, world_size: int) -> dict[str, int]:
         raise ConfigError(f"config key 'optim.warmup_steps' must be >= 0, got {o.warmup_steps}")
     if o.grad_clip is not None and not o.grad_clip > 0:
         raise ConfigError(f"config key 'optim.grad_clip' must be > 0, or None for no clipping, got {o.grad_clip}")
+    if t.peak_tflops is not None and not t.peak_tflops > 0:  # (it logged a negative MFU)
+        raise ConfigError(f"config key 'train.peak_tflops' must be > 0 (the device's peak, TFLOP/s, for MFU), or None "
+                          f"for the device's own figure, got {t.peak_tflops}")
     if t.param_dtype is not None and t.param_dtype not in ("bfloat16", "float16", "float32"):
         raise ConfigError(f"config key 'train.param_dtype' must be 'bfloat16', 'float16', 'float32' or None, got "
                           f"{t.param_dtype!r}")
