@@ -160,3 +160,22 @@ def test_lm_eval_scores_of_a_sharded_model_equal_the_hand_computed_ones(tmp_path
     assert scores["local_piqa"]["acc_norm,none"] == hand["local_piqa"][1]
     assert scores["local_winogrande"]["acc,none"] == hand["local_winogrande"][0]
     assert not math.isnan(scores["local_piqa"]["acc,none"])
+
+
+def test_an_unknown_task_is_refused_before_the_checkpoint_is_loaded(tmp_path):
+    """`shardlib.eval --tasks hellaswagg` loaded the checkpoint, computed its validation loss, then
+    ended in lm-eval's KeyError traceback from one rank (new-user pass, 65-90 s): the names are now
+    checked first, with the close ones named, as one usage line (exit status 2)."""
+    from shardlib.eval import main, task_manager
+
+    folder = str(tmp_path / "tasks")
+    _write_tasks(folder)
+    with pytest.raises(ValueError, match=r"unknown lm-eval task 'local_piqaa': not among the tasks of '[^']*tasks'; "
+                                         r"close: local_piqa(, [a-z_]+)*\. Fix"):
+        task_manager(["local_hellaswag", "local_piqaa"], folder, include_defaults=False)
+    assert task_manager(["local_*"], folder, include_defaults=False).match_tasks(["local_*"])  # wildcards pass
+    with pytest.raises(SystemExit) as exit_:  # the checkpoint does not exist: refused before it is opened
+        main(["--ckpt", str(tmp_path / "no-such-checkpoint"), "--tasks", "local_piqaa", "--include-path", folder,
+              "--only-included"])
+    # (shardlib's parser raises the usage line; the entry point prints it and exits with status 2)
+    assert str(exit_.value.code).startswith("shardlib.eval: error: --tasks: unknown lm-eval task 'local_piqaa'")

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["open_checkpoint", "validation_loss", "downstream", "main", "entry"]
+__all__ = ["open_checkpoint", "validation_loss", "task_manager", "downstream", "main", "entry"]
 
 
 def _checkpoint_path(ckpt: str) -> str:
@@ -67,9 +67,37 @@ def validation_loss(run: Any) -> dict[str, Any]:
                 tokens=t.eval_steps * t.global_batch * t.seq_len)
 
 
+def task_manager(tasks: list[str], include_path: str | None = None, include_defaults: bool = True) -> Any:
+    """lm-eval's ``TaskManager`` over its built-in tasks (``include_defaults``) and
+    ``include_path``'s, after checking that each of ``tasks`` names one (a task, group or tag;
+    lm-eval's wildcards allowed): :func:`main` calls it before loading the checkpoint.
+
+    Raises:
+        ImportError: lm-eval is not installed.
+        ValueError: naming the unknown tasks and the closest known names (lm-eval's own
+            KeyError came from one rank's traceback after the checkpoint was loaded and its
+            validation loss computed).
+    """
+    import difflib
+
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        near = list(dict.fromkeys(n for t in unknown for n in difflib.get_close_matches(t, manager.all_tasks, n=3)))
+        where = "lm-eval's tasks" + (f" and those of {include_path!r}" if include_path else "")
+        if include_path and not include_defaults:
+            where = f"the tasks of {include_path!r}"
+        raise ValueError(f"unknown lm-eval task{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}: not among "
+                         f"{where}" + (f"; close: {', '.join(near)}" if near else "") + ". Fix: a task name of "
+                         "`lm_eval --tasks list`, or --include-path DIR with its YAML file")
+    return manager
+
+
 def downstream(run: Any, tasks: list[str], include_path: str | None = None, limit: int | None = None,
                num_fewshot: int | None = None, batch_size: int = 8,
-               include_defaults: bool = True) -> dict[str, dict[str, float]]:
+               include_defaults: bool = True, manager: Any = None) -> dict[str, dict[str, float]]:
     """lm-eval scores of a run from :func:`open_checkpoint` on ``tasks`` (every rank; the same on each).
 
     Args:
@@ -81,6 +109,7 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
         batch_size: sequences per forward.
         include_defaults: also index lm-eval's built-in tasks (False: only ``include_path``'s,
             which skips indexing the thousands of built-in YAML files).
+        manager: a :func:`task_manager` already made (else one is, checking ``tasks``).
 
     Returns:
         ``{task: {metric: value}}`` (lm-eval's metric names, e.g. ``"acc,none"``).
@@ -89,7 +118,6 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
         ImportError: lm-eval is not installed. ValueError: a pipeline mesh, an unknown task.
     """
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     import shardlib
 
@@ -101,7 +129,7 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
                          f"whole model's logits on every rank. Fix: --mesh without pp (the checkpoint reshards), "
                          f"e.g. --mesh dp=1,tp={run.mesh.shape.get('tp', 1)}")
     lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=dims(run.smodel)[2], batch_size=batch_size)
-    manager = TaskManager(include_path=include_path, include_defaults=include_defaults or not include_path)
+    manager = manager or task_manager(list(tasks), include_path, include_defaults)
     out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     scores = None if out is None else {  # lm-eval reports on the process with LOCAL_RANK 0 only
@@ -151,15 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.mesh:
         overrides.append(f"parallel.mesh={dict(args.mesh)!r}")
     cfg = load_config(targs.config, overrides)
+    tasks = [t for t in (args.tasks or "").split(",") if t]
+    manager = None
+    if tasks:  # before the checkpoint is loaded: a misspelled task ended the run after its validation loss
+        try:
+            manager = task_manager(tasks, args.include_path, include_defaults=not args.only_included)
+        except (ImportError, ValueError) as exc:
+            p.error(f"--tasks: {exc}")
     run = open_checkpoint(cfg, args.ckpt)
     out = validation_loss(run)
     main_rank = run.is_main
     if main_rank:
         print(f"val loss {out['val_loss']:.4f} nats/token of {out['checkpoint']} (step {out['step']}) on mesh "
               f"{out['mesh']}, {out['tokens']:,} held-out tokens")
-    if args.tasks:
-        out["tasks"] = downstream(run, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
-                                  args.num_fewshot, args.batch_size, include_defaults=not args.only_included)
+    if tasks:
+        out["tasks"] = downstream(run, tasks, args.include_path, args.limit, args.num_fewshot, args.batch_size,
+                                  include_defaults=not args.only_included, manager=manager)
         if main_rank:
             for task, metrics in out["tasks"].items():
                 print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())))
