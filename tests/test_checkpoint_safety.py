@@ -221,6 +221,10 @@ def _on_own_disks(root, op):
             return ckpt.save("/proc/self/cwd/ck", smodel, opt)
         if op == "latest":  # the training tool's resume: which checkpoint is newest
             return ckpt.latest("/proc/self/cwd", smodel.mesh)
+        if op == "probe":  # the training tool at start, before its first save
+            from shardlib.checkpoint._shared import check_shared_folder
+
+            return check_shared_folder("/proc/self/cwd/run", smodel.mesh, "config key 'checkpoint.dir'")
         return ckpt.load("/proc/self/cwd/ck", smodel, opt)
     finally:
         os.chdir(cwd)
@@ -246,6 +250,9 @@ def test_ranks_without_a_shared_file_system_are_refused_on_every_rank(tmp_path):
     _raises_on_every_rank(r"checkpoint\.latest: the ranks found different newest checkpoints \(rank 0: "
                           r"'/proc/self/cwd/ck' in '/proc/self/cwd'; rank 1: none in '/proc/self/cwd'\), so a resume "
                           r"would load on some ranks and start afresh on others", _on_own_disks, str(tmp_path), "latest")
+    _raises_on_every_rank(r"config key 'checkpoint\.dir' '/proc/self/cwd/run': not every rank sees the file rank 0 "
+                          r"wrote there \(rank 1: no file \(FileNotFoundError", _on_own_disks, str(tmp_path), "probe")
+    assert os.listdir(tmp_path / "node0" / "run") == []  # the probe file is removed
 
 
 def _save_unwritable(path):
@@ -551,3 +558,17 @@ def test_train_gpt_output_checks(tmp_path):
         check("--export-safetensors", str(tmp_path / "empty"), "--overwrite-ckpt")
     args = train_gpt.parse_args(["--ckpt-dir", str(folder), "--resume", str(folder / "step_000002")])
     assert train_gpt.resumes_into(args) and not train_gpt.resumes_into(train_gpt.parse_args(["--ckpt-dir", str(folder)]))
+
+
+def _probe_shared(root):
+    from shardlib.checkpoint._shared import check_shared_folder
+
+    smodel, _ = _tiny()
+    check_shared_folder(f"{root}/ckpts", smodel.mesh)
+    return sorted(os.listdir(f"{root}/ckpts"))
+
+
+@pytest.mark.multiprocess
+def test_the_shared_folder_probe_passes_on_one_file_system_and_leaves_nothing(tmp_path):
+    # rank 0 removes its probe before it returns (rank 1 may list the folder before that)
+    assert run_on(2, _probe_shared, str(tmp_path), timeout=RUN_TIMEOUT_S)[0] == []

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._files import OWNER, CheckpointError, agree, short_error
 
-__all__ = ["same_folder", "seen_by_every_rank", "same_checkpoint", "same_latest"]
+__all__ = ["same_folder", "seen_by_every_rank", "same_checkpoint", "same_latest", "check_shared_folder"]
 
 SHARED_FS = ("A checkpoint folder must be on a file system every rank shares (NFS, Lustre, ...; DCP writes and "
              "reads one folder from every rank)")
@@ -128,3 +128,50 @@ def same_latest(folder: str, found: str | None, mesh) -> str | None:
             f"load on some ranks and start afresh on others. {SHARED_FS}. Nothing was read. Fix: a checkpoint "
             "directory on a shared file system, named the same on every rank")
     return found
+
+
+PROBE = ".shardlib_probe"  # check_shared_folder's file: written and removed by rank 0 of one run
+
+
+def check_shared_folder(folder: str, mesh, what: str = "checkpoint.dir") -> None:
+    """Before a run's first save (the training tool, at start): rank 0 makes ``folder`` if absent
+    and writes a file with a random token into it, every rank reads it, the ranks compare in one
+    exchange, and rank 0 removes the file. A folder on each node's own disk is refused at once,
+    not at the first save after ``checkpoint.interval`` steps.
+
+    Raises:
+        CheckpointError: on every rank, naming ``what``, ``folder`` and the ranks that do not see
+            rank 0's file.
+        CollectiveError: a peer lost while exchanging."""
+    probe = os.path.join(folder, f"{PROBE}-{os.getpid()}")
+    token = os.urandom(8).hex() if dist.get_rank() == 0 else None
+    made = None
+    if token is not None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "x") as f:
+                f.write(token)
+            made = probe
+        except OSError as exc:
+            token = f"rank 0 could not write {probe!r} ({short_error(exc)})"
+    try:
+        probes = agree({dist.get_rank(): (probe, token)}, mesh, f"{what}: after writing the probe")
+        probe0, token0 = probes[0]
+        try:
+            with open(probe0) as f:
+                seen = f.read()
+        except OSError as exc:
+            seen = f"no file ({short_error(exc)})"
+        seen_all = agree({dist.get_rank(): seen}, mesh, f"{what}: after reading the probe")
+    finally:
+        if made is not None:  # ours alone: written above, by this process
+            try:
+                os.remove(made)
+            except OSError:
+                pass
+    blind = {r: (s if s.startswith("no file") else "another file") for r, s in seen_all.items() if s != token0}
+    if blind:
+        raise CheckpointError(
+            f"{what} {folder!r}: not every rank sees the file rank 0 wrote there ({_grouped(blind)}): the ranks do not "
+            f"share a file system at that path, and checkpoints saved there could never be loaded. {SHARED_FS}. "
+            "Fix: a checkpoint directory on a shared file system")

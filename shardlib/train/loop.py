@@ -221,6 +221,10 @@ def setup(cfg: Config, world_size: int | None = None, log=print, load: str | Non
     run = Run(cfg, mesh, smodel, optimizer, batches, checkpoints, device, fpt)
     # fp16's range needs the loss scaled (bf16's does not); disabled, every call passes through
     run.scaler = shardlib.GradScaler(enabled=cfg.train.param_dtype == "float16")
+    if checkpoints.dir and mesh.size() > 1:  # node-local disks: refused now, not at the first save
+        from ..checkpoint._shared import check_shared_folder
+
+        check_shared_folder(checkpoints.dir, mesh, "config key 'checkpoint.dir'")
     path = load if load is not None else checkpoints.latest(mesh)  # one branch on every rank
     if path is not None:
         extra = checkpoint.load(path, smodel, optimizer)  # any mesh / ZeRO stage: resharded on load
