@@ -464,3 +464,30 @@ def test_a_rank_whose_process_exited_without_records_is_waited_for_in_vain():
     assert fatal and cls == "RankFailureError" and text.startswith("rank 0 ended (the process exited)"), text
     send = _rec(0, kind="send", group="pp[0,1]")  # it sent, then exited: rank 1 was only slow to see it
     assert not analyze({0: _state(0, "exited", [gather, send]), 1: states[1]}, 2)[0]
+
+
+def test_a_failed_wait_whose_store_is_gone_names_that_instead_of_crashing(monkeypatch):
+    """Two torchrun nodes, node 0 killed: its agent held the store, and node 1's ranks, whose
+    collectives failed, crashed inside the diagnosis with torch's 'DistNetworkError: Broken pipe'
+    from store.check (new-user pass). Now they raise RankFailureError saying the store is gone."""
+    import torch.distributed as dist
+
+    from shardlib.errors import RankFailureError
+
+    dogs = _dogs(monkeypatch, 2, [1])
+    try:
+        dog = dogs[1]
+
+        class Gone:  # every call fails as a TCPStore whose host ended does
+            def __getattr__(self, name):
+                def call(*args, **kwargs):
+                    raise dist.DistNetworkError("Broken pipe")
+                return call
+
+        dog.store = dog.verdicts.store = dog.peers.store = Gone()
+        with pytest.raises(RankFailureError, match=r"(?s)a collective failed on rank 1, and the store the ranks share to "
+                                                   r"name each other is unreachable \(DistNetworkError: Broken pipe\)"
+                                                   r".*\(the backend said on rank 1: RuntimeError: Connection closed"):
+            dog.fail(RuntimeError("Connection closed by peer"))
+    finally:
+        _stop(dogs)

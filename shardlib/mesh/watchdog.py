@@ -192,12 +192,22 @@ class Watchdog:
         a rank is named gone or frozen (it never comes back to this group), a later failure (a
         clean-up waiting for a collective of the broken group) raises that verdict again at once,
         without asking the others a second time."""
-        self.read_verdicts()
+        try:
+            self.read_verdicts()
+        except Exception:  # noqa: BLE001 - the store went away: diagnose() below says so
+            pass
         self._raise_verdict()
         if self._broken is not None:
             cls, text = self._broken
         else:
-            fatal, cls, text = self.diagnose(lost=True)
+            try:
+                fatal, cls, text = self.diagnose(lost=True)
+            except Exception as store_exc:  # noqa: BLE001 - its host ended (torchrun's agent, rank 0's node)
+                cls, text = "RankFailureError", (
+                    f"a collective failed on rank {self.rank}, and the store the ranks share to name each other is "
+                    f"unreachable ({type(store_exc).__name__}: {str(store_exc)[:200]}): the host that holds it ended "
+                    "(rank 0's node, or torchrun's rendezvous), so the lost ranks cannot be named. Fix: read the "
+                    "other nodes' logs for why they ended; restart from the last finished checkpoint")
             if cls == "RankFailureError":
                 self._broken = (cls, text)
         raise _CLASSES.get(cls, CollectiveError)(
