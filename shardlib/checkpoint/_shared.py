@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ._files import OWNER, CheckpointError, agree, short_error
+from ._files import OWNER, CheckpointError, agree, describe, short_error
 
 __all__ = ["same_folder", "seen_by_every_rank", "same_checkpoint", "same_latest", "check_shared_folder"]
 
@@ -50,13 +50,6 @@ def _refuse_other_paths(paths: dict[int, str], fn: str) -> None:
             "from what every rank shares (the step)")
 
 
-def _grouped(seen: dict[int, str]) -> str:
-    by_text: dict[str, list[int]] = {}
-    for rank, text in sorted(seen.items()):
-        by_text.setdefault(text, []).append(rank)
-    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {t}" for t, r in by_text.items())
-
-
 def seen_by_every_rank(tmp: str, mesh, note: str) -> None:
     """Save, after rank 0 made ``tmp`` (``<path>.partial``) with its ownership file: every rank
     reads that file (it holds a random token of this save), and the ranks compare what they read
@@ -76,7 +69,7 @@ def seen_by_every_rank(tmp: str, mesh, note: str) -> None:
              for r, t in seen.items() if t != seen[0]}
     if blind:
         raise CheckpointError(
-            f"checkpoint.save: not every rank sees the folder rank 0 made, {tmp!r} ({_grouped(blind)}): the ranks do "
+            f"checkpoint.save: not every rank sees the folder rank 0 made, {tmp!r} ({describe(blind)}): the ranks do "
             f"not share a file system there, and each would write its part to its own disk. {SHARED_FS}. Nothing was "
             "written. Fix: a checkpoint directory on a shared file system")
 
@@ -94,22 +87,20 @@ def same_checkpoint(path: str, mesh, check: Callable[[str], dict]) -> dict:
         CheckpointError: on every rank: different paths (named per rank); ``check``'s error where
             every rank got it; ranks that see different things at ``path`` (named per rank).
         CollectiveError: a peer lost while exchanging."""
-    try:
-        info, seen = check(path), None
-        seen = "a checkpoint saved at " + str(info.get("time")) + " " + json.dumps(info, sort_keys=True, default=str)
+    try:  # (what this rank says it found, the whole marker: two saves a moment apart differ in it)
+        info = check(path)
+        seen = (f"a checkpoint saved at {info.get('time')}", json.dumps(info, sort_keys=True, default=str))
     except CheckpointError as exc:
-        info, seen = None, f"{type(exc).__name__}: {exc}"
+        info, seen = None, (str(exc), "")
     views = agree({dist.get_rank(): (path, seen)}, mesh, "checkpoint.load: after checking the paths")
     _refuse_other_paths({r: p for r, (p, _) in views.items()}, "load")
     if len({s for _, s in views.values()}) > 1:
-        shown = {r: (s.split(" {")[0] if s.startswith("a checkpoint") else s.split(": ", 1)[1]) for r, (_, s) in
-                 views.items()}
         raise CheckpointError(
-            f"checkpoint.load({path!r}): the ranks see different things there ({_grouped(shown)}): the ranks do not "
-            f"share a file system there. {SHARED_FS}. Nothing was read. Fix: a checkpoint directory on a shared file "
-            "system")
+            f"checkpoint.load({path!r}): the ranks see different things there "
+            f"({describe({r: s[0] for r, (_, s) in views.items()})}): the ranks do not share a file system there. "
+            f"{SHARED_FS}. Nothing was read. Fix: a checkpoint directory on a shared file system")
     if info is None:
-        raise CheckpointError(seen.split(": ", 1)[1])
+        raise CheckpointError(seen[0])
     return info
 
 
@@ -124,7 +115,7 @@ def same_latest(folder: str, found: str | None, mesh) -> str | None:
     if len(set(seen.values())) > 1:
         shown = {r: (f"{f!r} in {d!r}" if f is not None else f"none in {d!r}") for r, (d, f) in seen.items()}
         raise CheckpointError(
-            f"checkpoint.latest: the ranks found different newest checkpoints ({_grouped(shown)}), so a resume would "
+            f"checkpoint.latest: the ranks found different newest checkpoints ({describe(shown)}), so a resume would "
             f"load on some ranks and start afresh on others. {SHARED_FS}. Nothing was read. Fix: a checkpoint "
             "directory on a shared file system, named the same on every rank")
     return found
@@ -172,6 +163,6 @@ def check_shared_folder(folder: str, mesh, what: str = "checkpoint.dir") -> None
     blind = {r: (s if s.startswith("no file") else "another file") for r, s in seen_all.items() if s != token0}
     if blind:
         raise CheckpointError(
-            f"{what} {folder!r}: not every rank sees the file rank 0 wrote there ({_grouped(blind)}): the ranks do not "
+            f"{what} {folder!r}: not every rank sees the file rank 0 wrote there ({describe(blind)}): the ranks do not "
             f"share a file system at that path, and checkpoints saved there could never be loaded. {SHARED_FS}. "
             "Fix: a checkpoint directory on a shared file system")
