@@ -66,6 +66,8 @@ def lower(plan: Any, model: Any) -> Any:
                 _busy -= 1
             _record(out, "is part of the module returned by", call)
             _record_root(out, call)
+            for prm in out.parameters() if isinstance(out, nn.Module) else ():
+                _PARAMS[id(prm)] = weakref.ref(prm, lambda _, k=id(prm): _PARAMS.pop(k, None))
             return out
     raise TypeError(f"no lowering registered for {type(plan).__name__}; import shardlib (shardlib.shard registers them)")
 
@@ -110,6 +112,7 @@ def refuse_lowered(model: Any, caller: str = "shard") -> None:
 
 
 _busy = 0  # lowerings in progress: they replace layers and parameters of the modules they were given
+_PARAMS: dict[int, weakref.ref] = {}  # id -> the parameters of the modules lowerings returned
 _guard_handles: list = []
 
 
@@ -144,8 +147,11 @@ def _refuse_new_parameter(module: nn.Module, name: str, param: Any) -> None:
 
 def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
     """Global module-registration hook: refuse a submodule with parameters that no lowering packed
-    (a LoRA wrapper, a fresh layer) assigned into a lowered model; one whose parameters are all
-    lowered already (moving or wrapping a layer of the model), or that has none, passes.
+    (a LoRA wrapper, a fresh layer, a parametrization's own parameters) assigned into a lowered
+    model; one whose parameters are all lowered already (moving or wrapping a layer of the model),
+    or that has none, passes and becomes part of the model (so ``ModuleDict`` items put into it
+    later are checked too, as ``torch.nn.utils.parametrize`` does). Direct writes to
+    ``_modules`` (``ModuleList.insert``) reach no hook and are not seen.
 
     Raises:
         ShardingError: naming the new module's parameters and the shard() call.
@@ -153,9 +159,10 @@ def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
     seen = None if _busy or not isinstance(submodule, nn.Module) else _lowered(module)
     if seen is None:
         return None
-    new = [f"{path + '.' if path else ''}{n}" for path, m in submodule.named_modules() if _lowered(m) is None
-           for n, p in m._parameters.items() if p is not None]
-    if not new:
+    new = [f"{path + '.' if path else ''}{n}" for path, m in submodule.named_modules()
+           for n, p in m._parameters.items() if p is not None and not _lowered_param(p)]
+    if not new:  # part of the model from now on: what is added into it later is checked too
+        _record(submodule, "is part of the module returned by", seen[2])
         return None
     raise ShardingError(
         f"{type(module).__name__}.{name} = {type(submodule).__name__}(...) adds the parameters "
@@ -163,6 +170,11 @@ def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
         "model's parameters into ZeRO chunks, and these are in none, so their gradients would never be averaged "
         "over the data axes and ZeroOptimizer would never update them (no error, ranks drifting apart). Fix: add "
         "adapters (LoRA, peft.get_peft_model) and new layers to the model before shard(), then shard it once")
+
+
+def _lowered_param(p: Any) -> bool:
+    ref = _PARAMS.get(id(p))
+    return ref is not None and ref() is p
 
 
 def _install_guard() -> None:

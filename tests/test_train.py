@@ -149,6 +149,11 @@ def test_overrides_in_both_spellings_and_unknown_arguments():
 def test_checkpoint_dir_of_another_run_is_refused_and_rotation_removes_only_checkpoints(tmp_path):
     section = load_config(None, [f"checkpoint.dir={str(tmp_path)!r}"]).checkpoint
     Checkpoints(section, 10)  # empty: fine
+    # a run stopped at start may leave its shared-folder probe: ours, not an entry of another run (it
+    # made the same command refuse the folder, resume or not: new-user pass)
+    (tmp_path / ".shardlib_probe-4242").write_text("0123abcd")
+    Checkpoints(section, 10)
+    Checkpoints(load_config(None, [f"checkpoint.dir={str(tmp_path)!r}", "checkpoint.resume=True"]).checkpoint, 10)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"already holds notes.txt .*checkpoint.resume=True"):
         Checkpoints(section, 10)

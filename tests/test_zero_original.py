@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.utils.parametrize as parametrize
 from torch import nn
 
 import shardlib
@@ -123,6 +124,22 @@ def test_sharding_the_same_module_twice_is_refused_on_every_rank():
     _assert_on_every_rank(info.value, "ShardingError")
 
 
+class _LoRA(nn.Module):
+    """W + B A, minLoRA's parametrization (rank 2 on an 8 x 8 weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.zeros(2, 8)), nn.Parameter(torch.zeros(8, 2))
+
+    def forward(self, w):
+        return w + self.b @ self.a
+
+
+class _Half(nn.Module):
+    def forward(self, b):
+        return 0.5 * b
+
+
 def _change_structure_after_shard(stage):
     _, model, smodel = _shard(zero_stage=stage)
     lora = nn.Linear(8, 2, bias=False)
@@ -134,6 +151,10 @@ def _change_structure_after_shard(stage):
         "the same weight again": lambda: setattr(model[2], "weight", model[2].weight),
         "a module without parameters": lambda: setattr(model, "act", nn.GELU()),
         "a layer of the model moved": lambda: setattr(model, "first", model[0]),
+        # torch.nn.utils.parametrize puts a ModuleDict in first (no parameters: it passes), then the
+        # parametrization into it: a LoRA's own parameters are refused, one without any passes
+        "a LoRA parametrization": lambda: parametrize.register_parametrization(model[0], "weight", _LoRA()),
+        "a parametrization without parameters": lambda: parametrize.register_parametrization(model[2], "bias", _Half()),
     }
     return {name: _refused(fn)[0] for name, fn in cases.items()}
 
@@ -144,11 +165,15 @@ def test_a_parameter_registered_after_shard_is_refused_where_it_is_assigned(stag
     no ZeRO chunk: its gradient was never averaged over dp and ZeroOptimizer never updated it,
     with no error. Now the assignment raises on every rank; re-assigning the same parameter,
     adding a module without parameters and moving a layer of the model still pass."""
+    # (ZeRO-3: register_parametrization reads the weight first, which raises ShardedAwayError)
+    parametrized = {"a LoRA parametrization": "ShardedAwayError", "a parametrization without parameters":
+                    "ShardedAwayError"} if stage == 3 else {}
     for got in run_on(2, _change_structure_after_shard, stage):
         assert got == {"adapter parameter": "ShardingError", "replaced weight": "ShardingError",
                        "adapter module": "ShardingError", "new head on smodel": "ShardingError",
                        "the same weight again": "ok", "a module without parameters": "ok",
-                       "a layer of the model moved": "ok"}, got
+                       "a layer of the model moved": "ok", "a LoRA parametrization": "ShardingError",
+                       "a parametrization without parameters": "ok", **parametrized}, got
 
 
 def _adapter_message():

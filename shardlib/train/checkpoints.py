@@ -55,7 +55,10 @@ class Checkpoints:
             check_parent(os.path.join(self.dir, "step_000000"), "config key 'checkpoint.dir'")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        names = sorted(os.listdir(self.dir)) if os.path.isdir(self.dir) else []
+        from ..checkpoint._shared import PROBE
+
+        # (a probe of check_shared_folder left by a run stopped at start is ours: not an entry)
+        names = sorted(n for n in os.listdir(self.dir) if not n.startswith(PROBE + "-")) if os.path.isdir(self.dir) else []
         if self.resume:
             self._check_resume_folder(names)
         if names and not self.resume:
