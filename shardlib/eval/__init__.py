@@ -130,7 +130,9 @@ def downstream(run: Any, tasks: list[str], include_path: str | None = None, limi
                          f"e.g. --mesh dp=1,tp={run.mesh.shape.get('tp', 1)}")
     lm = ShardedLM(run.smodel, codec_for(run.batches.corpus), max_length=dims(run.smodel)[2], batch_size=batch_size)
     manager = manager or task_manager(list(tasks), include_path, include_defaults)
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+    # lm-eval's wildcards expanded as its own CLI does (simple_evaluate takes names only: KeyError)
+    names = list(dict.fromkeys(n for t in tasks for n in manager.match_tasks([t])))
+    out = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     scores = None if out is None else {  # lm-eval reports on the process with LOCAL_RANK 0 only
         task: {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
