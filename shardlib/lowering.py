@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import ShardingError
 
-__all__ = ["register_lowering", "lower", "refuse_lowered"]
+__all__ = ["register_lowering", "lower", "refuse_lowered", "refuse_unlowered"]
 
 _LOWERINGS: dict[type, Callable[[Any, Any], Any]] = {}
 # id(module) -> (weak reference, how it was lowered: "was given to", "is the module returned by", "is part
@@ -175,6 +175,27 @@ def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
 def _lowered_param(p: Any) -> bool:
     ref = _PARAMS.get(id(p))
     return ref is not None and ref() is p
+
+
+def refuse_unlowered(module: nn.Module, where: str) -> None:
+    """Refuse a trainable parameter of ``module`` (a lowered model) that no lowering returned: one
+    added past torch's registration hooks (``ModuleList.insert``, a direct ``_modules`` or
+    ``_parameters`` write), so in no ZeRO chunk. One pass over the parameters, no communication:
+    every rank with the same model raises.
+
+    Raises:
+        ShardingError: naming ``where``, the parameter and the fix.
+    """
+    if not _PARAMS:
+        return
+    for prm in module.parameters():
+        if prm.requires_grad and not _lowered_param(prm):
+            name = next((n for n, p in module.named_parameters() if p is prm), "?")
+            raise ShardingError(
+                f"{where}: the parameter '{name}' {tuple(prm.shape)} of {type(module).__name__} was added after "
+                "shard() past torch's registration hooks (ModuleList.insert, or a direct write to _modules or "
+                "_parameters): it is in no ZeRO chunk, so its gradient was never averaged over the data axes and "
+                "this step would not update it. Fix: add it to the model before shard(), then shard it once")
 
 
 def _install_guard() -> None:

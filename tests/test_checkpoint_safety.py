@@ -205,19 +205,18 @@ def test_ranks_naming_different_folders_are_refused_on_every_rank(tmp_path):
                           r"'[^']*/step_2'\)", _each_rank_its_own, str(tmp_path), "load")
 
 
-def _on_own_disks(root, op):
+def _on_own_disks(root, op, shared=None):
     """Each rank's "node" has its own disk at the same path, as on a cluster without a shared file
     system: ``/proc/self/cwd`` is each process's working directory, so one path string names a
-    different folder on each rank (a bind mount per node, without root)."""
+    different folder on each rank (a bind mount per node, without root). ``shared``: every rank on
+    that node's disk instead."""
     smodel, opt = _tiny()
     rank, cwd = torch.distributed.get_rank(), os.getcwd()
-    disk = f"{root}/node{rank if op != 'load-shared' else 0}"
+    disk = f"{root}/node{rank if shared is None else shared}"
     os.makedirs(disk, exist_ok=True)
     os.chdir(disk)
     try:
         if op == "save":
-            return ckpt.save("/proc/self/cwd/ck", smodel, opt)
-        if op == "load-shared":  # every rank sees node 0's disk: a finished checkpoint there
             return ckpt.save("/proc/self/cwd/ck", smodel, opt)
         if op == "latest":  # the training tool's resume: which checkpoint is newest
             return ckpt.latest("/proc/self/cwd", smodel.mesh)
@@ -242,11 +241,23 @@ def test_ranks_without_a_shared_file_system_are_refused_on_every_rank(tmp_path):
                           r"disk\. A checkpoint folder must be on a file system every rank shares", _on_own_disks,
                           str(tmp_path), "save")
     assert not os.path.exists(tmp_path / "node0" / "ck") and not os.path.exists(tmp_path / "node1" / "ck")
-    run_on(2, _on_own_disks, str(tmp_path), "load-shared", timeout=RUN_TIMEOUT_S)
+    run_on(2, _on_own_disks, str(tmp_path), "save", 0, timeout=RUN_TIMEOUT_S)  # a checkpoint on node 0's disk
     assert os.path.isdir(tmp_path / "node0" / "ck")
-    _raises_on_every_rank(r"checkpoint\.load\('/proc/self/cwd/ck'\): the ranks see different things there \(rank 0: "
-                          r"a checkpoint saved at [0-9.]+; rank 1: checkpoint '/proc/self/cwd/ck' does not exist \(no "
-                          r"such folder\)\).*Nothing was read", _on_own_disks, str(tmp_path), "load")
+    # node 1 sees none: its own check fails before any communication, and rank 0's wait names it
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_on(2, _on_own_disks, str(tmp_path), "load", timeout=RUN_TIMEOUT_S)
+    assert time.monotonic() - start < PROMPT_S
+    assert info.value.errors[1][0] == "CheckpointError", info.value.errors
+    assert "checkpoint '/proc/self/cwd/ck' does not exist (no such folder)" in info.value.errors[1][1]
+    # node 1 holds a checkpoint of another save at the same path: both pass their own checks, then
+    # the ranks compare before reading (a model mixed from two checkpoints, silently, before)
+    other = tmp_path / "other"
+    run_on(2, _on_own_disks, str(other), "save", 0, timeout=RUN_TIMEOUT_S)
+    run_on(2, _on_own_disks, str(other), "save", 1, timeout=RUN_TIMEOUT_S)
+    _raises_on_every_rank(r"checkpoint\.load\('/proc/self/cwd/ck'\): the ranks see different checkpoints there \(rank "
+                          r"0: a checkpoint saved at [0-9.]+; rank 1: a checkpoint saved at [0-9.]+\).*Nothing was read",
+                          _on_own_disks, str(other), "load")
     _raises_on_every_rank(r"checkpoint\.latest: the ranks found different newest checkpoints \(rank 0: "
                           r"'/proc/self/cwd/ck' in '/proc/self/cwd'; rank 1: none in '/proc/self/cwd'\), so a resume "
                           r"would load on some ranks and start afresh on others", _on_own_disks, str(tmp_path), "latest")

@@ -176,6 +176,26 @@ def test_a_parameter_registered_after_shard_is_refused_where_it_is_assigned(stag
                        "a parametrization without parameters": "ok", **parametrized}, got
 
 
+def _insert_after_shard(check: bool):
+    mesh, model, smodel = _shard(zero_stage=1)
+    mesh.trace.check = check  # off: the check runs at the first step only (a user's run); on: every step
+    opt = shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=1.0)
+    model.insert(1, nn.Linear(8, 8))  # writes _modules directly: no registration hook sees it
+    smodel(torch.randn(2, 8)).sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["first-step", "check-mode"])
+def test_a_layer_inserted_past_the_registration_hooks_is_refused_at_the_step(check):
+    """Sequential/ModuleList.insert after shard() was not refused (pass G): the inserted layer's
+    gradients differed per rank (0.084 vs 0.152) and an SGD step left it unchanged."""
+    with pytest.raises(WorkerError, match=r"ShardingError: ZeroOptimizer\.step\(\): the parameter 'module\.1\.weight' "
+                       r"\(8, 8\) of ShardedModule was added after shard\(\) past torch's registration hooks "
+                       r"\(ModuleList\.insert.*Fix: add it to the model before shard\(\)") as info:
+        run_on(2, _insert_after_shard, check)
+    _assert_on_every_rank(info.value, "ShardingError")
+
+
 def _adapter_message():
     _, model, _ = _shard(zero_stage=1)
     model[0].lora_a = nn.Parameter(torch.zeros(2, 8))

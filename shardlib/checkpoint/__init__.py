@@ -293,9 +293,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         The ``extra`` dict given to :func:`save` (``{}`` if none).
 
     Raises:
-        CheckpointError: on every rank, after one exchange of the path and what each rank finds
-            there (before any reading): the ranks name different folders, or see different
-            things there (no shared file system: named per rank); ``path`` missing, a file, or a
+        CheckpointError: on every rank before any communication: ``path`` missing, a file, or a
             save that did not finish (``<path>.partial``, or no ``shardlib_checkpoint.json``); a
             damaged ``shardlib_checkpoint.json`` or ``.metadata`` (the file is named); a parameter,
             buffer or per-element optimizer state of another global shape; with ``strict``, a
@@ -307,7 +305,9 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
             model; ``optimizer`` given but the checkpoint has no optimizer state, or the state of
             another optimizer class (AdamW saved, SGD given). On every rank at once, after
             reading has started: a data file (``*.distcp``) that cannot be read on some rank
-            (damaged or missing; the file is named); the model may then be partly loaded.
+            (damaged or missing; the file is named); the model may then be partly loaded. On
+            every rank at once, before reading: the ranks name different folders, or see
+            different checkpoints there (no shared file system; named per rank).
         RankFailureError: on the ranks still running, when a rank is killed or frozen while
             reading (a :class:`~shardlib.errors.CollectiveError`; on gloo within
             ``SHARDLIB_WATCHDOG`` seconds), naming it; the checkpoint is as it was.
@@ -317,7 +317,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
         raise TypeError(f"checkpoint.load() takes the module returned by shardlib.shard(), got {type(smodel).__name__}")
     path = os.path.abspath(os.fspath(path))
     inner = inner_optimizer(optimizer)
-    info = same_checkpoint(path, smodel.mesh, _check_complete)  # the same folder and content on every rank
+    info = _check_complete(path)
     reader = Reader(path)
     try:
         metadata = reader.read_metadata()
@@ -386,6 +386,7 @@ def load(path: str | os.PathLike, smodel: ShardedModule, optimizer: Any = None, 
     for key in wanted:
         if key in saved:
             sd[key] = None
+    same_checkpoint(path, smodel.mesh, info)  # after the local checks: the same folder and checkpoint everywhere
     planner = LoadPlanner()
     try:  # DCP gathers every rank's read errors: a damaged file read by one rank fails every rank
         watched(smodel.mesh, "dcp.load", "checkpoint.load: reading the data files",  # DCP's collectives, watched

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
-
 import torch.distributed as dist
 
 from ._files import OWNER, CheckpointError, agree, describe, short_error
@@ -74,34 +72,24 @@ def seen_by_every_rank(tmp: str, mesh, note: str) -> None:
             "written. Fix: a checkpoint directory on a shared file system")
 
 
-def same_checkpoint(path: str, mesh, check: Callable[[str], dict]) -> dict:
-    """Load, before reading: every rank names ``path`` and runs ``check(path)`` (is it a finished
-    checkpoint: its marker's content, or the CheckpointError), and the ranks compare in one
-    exchange. The same error on every rank is raised on every rank; a checkpoint some ranks see
-    and others do not (or see another save of) is refused.
-
-    Returns:
-        ``check``'s result (the checkpoint's marker), the same on every rank.
+def same_checkpoint(path: str, mesh, info: dict) -> None:
+    """Load, after this rank's own checks of ``path`` passed (before any communication, so bad
+    input is refused on every rank that sees it; a rank that does not see the checkpoint at all
+    fails there, and its peers' wait names it) and before reading: the ranks compare the path and
+    the checkpoint's marker ``info`` in one exchange.
 
     Raises:
-        CheckpointError: on every rank: different paths (named per rank); ``check``'s error where
-            every rank got it; ranks that see different things at ``path`` (named per rank).
+        CheckpointError: on every rank: different paths (named per rank); ranks that see
+            different checkpoints at ``path`` (another save of it, on a disk of their own).
         CollectiveError: a peer lost while exchanging."""
-    try:  # (what this rank says it found, the whole marker: two saves a moment apart differ in it)
-        info = check(path)
-        seen = (f"a checkpoint saved at {info.get('time')}", json.dumps(info, sort_keys=True, default=str))
-    except CheckpointError as exc:
-        info, seen = None, (str(exc), "")
+    seen = (f"a checkpoint saved at {info.get('time')}", json.dumps(info, sort_keys=True, default=str))
     views = agree({dist.get_rank(): (path, seen)}, mesh, "checkpoint.load: after checking the paths")
     _refuse_other_paths({r: p for r, (p, _) in views.items()}, "load")
     if len({s for _, s in views.values()}) > 1:
         raise CheckpointError(
-            f"checkpoint.load({path!r}): the ranks see different things there "
+            f"checkpoint.load({path!r}): the ranks see different checkpoints there "
             f"({describe({r: s[0] for r, (_, s) in views.items()})}): the ranks do not share a file system there. "
             f"{SHARED_FS}. Nothing was read. Fix: a checkpoint directory on a shared file system")
-    if info is None:
-        raise CheckpointError(seen[0])
-    return info
 
 
 def same_latest(folder: str, found: str | None, mesh) -> str | None:
