@@ -26,7 +26,8 @@ def human(nbytes: float) -> str:
     """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.3g} {unit}"
+            text = f"{nbytes:.3g}"  # 1000-1023 KiB: "1e+03" in three digits, so the four shown
+            return f"{nbytes:.0f} {unit}" if unit == "B" or "e" in text else f"{text} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
 

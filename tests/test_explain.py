@@ -205,3 +205,11 @@ def test_pipeline_summary_fits_and_folds_its_stages():
     assert " 0F0 " not in text
     full = pplan.explain(full=True)
     assert " 0F0 " in full and "  69 " in full  # the 70 steps of 2 (m + p - 1) drawn
+
+
+def test_sizes_near_1024_of_a_unit_read_as_numbers():
+    """explain() printed peaks like "1e+03 KiB" (three significant digits of 1000-1023; new-user pass)."""
+    from shardlib.explain_summary import human
+
+    assert [human(x) for x in (1000 * 1024, 999 * 1024, 1.5 * 1024, 8622080000, 1023)] == \
+        ["1000 KiB", "999 KiB", "1.5 KiB", "8.03 GiB", "1023 B"]

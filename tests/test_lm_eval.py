@@ -181,3 +181,16 @@ def test_an_unknown_task_is_refused_before_the_checkpoint_is_loaded(tmp_path):
               "--only-included"])
     # (shardlib's parser raises the usage line; the entry point prints it and exits with status 2)
     assert str(exit_.value.code).startswith("shardlib.eval: error: --tasks: unknown lm-eval task 'local_piqaa'")
+
+
+def test_a_task_list_with_spaces_names_the_tasks(tmp_path):
+    """--tasks "local_piqa, local_hellaswag" was refused as the task ' local_hellaswag' (pass G)."""
+    from shardlib.eval import main
+
+    folder = str(tmp_path / "tasks")
+    _write_tasks(folder)
+    with pytest.raises(Exception) as info:  # past the task check: the checkpoint does not exist
+        main(["--ckpt", str(tmp_path / "none"), "--tasks", "local_piqa, local_hellaswag", "--include-path", folder,
+              "--only-included"])
+    assert "unknown lm-eval task" not in str(info.value)
+    assert "not a checkpoint" in str(info.value) or "does not exist" in str(info.value), info.value

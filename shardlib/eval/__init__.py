@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mesh:
         overrides.append(f"parallel.mesh={dict(args.mesh)!r}")
     cfg = load_config(targs.config, overrides)
-    tasks = [t for t in (args.tasks or "").split(",") if t]
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]  # "a, b" as "a,b"
     manager = None
     if tasks:  # before the checkpoint is loaded: a misspelled task ended the run after its validation loss
         try:
