@@ -296,8 +296,8 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
             ``"interleaved_1f1b"``, both arXiv 2104.04473; the zero-bubble schedules with split backwards
             ``"zb_h1"`` and ``"zbv"``, arXiv 2401.10241, and ``"dualpipev"``, arXiv 2412.19437),
             ``microbatches`` (default the pipeline size), ``virtual_stages`` (model chunks per rank, default 1;
-            2 for ``"interleaved_1f1b"``, and for ``"zbv"`` and ``"dualpipev"``, which lay them out in a V) and ``split_points`` (the layers
-            starting stages 1, 2, ...; default balanced by parameter count); see :mod:`shardlib.pipeline_plan`.
+            2 for ``"interleaved_1f1b"`` and for the V schedules ``"zbv"`` and ``"dualpipev"``) and ``split_points``
+            (the layers starting stages 1, 2, ...; default balanced by parameter count); see :mod:`~.pipeline_plan`.
 
     Returns:
         The :class:`Plan`, or a :class:`~shardlib.pipeline_plan.PipelinePlan` on a pipeline mesh.

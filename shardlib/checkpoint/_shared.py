@@ -57,19 +57,28 @@ def seen_by_every_rank(tmp: str, mesh, note: str) -> None:
         CheckpointError: on every rank, naming the ranks that do not see rank 0's folder; nothing
             was written but rank 0's empty ``tmp`` (the next save to the path removes it).
         CollectiveError: a peer lost while exchanging."""
-    try:
-        with open(os.path.join(tmp, OWNER)) as f:
-            token = str(json.load(f).get("token"))
-    except (OSError, ValueError) as exc:
-        token = f"no folder made by rank 0 ({short_error(exc)})"
-    seen = agree({dist.get_rank(): token}, mesh, note)
-    blind = {r: (t if t.startswith("no folder") else "an older folder, not the one rank 0 just made")
-             for r, t in seen.items() if t != seen[0]}
+    blind = _unseen(os.path.join(tmp, OWNER), mesh, note, "no folder made by rank 0",
+                    "an older folder, not the one rank 0 just made")
     if blind:
         raise CheckpointError(
             f"checkpoint.save: not every rank sees the folder rank 0 made, {tmp!r} ({describe(blind)}): the ranks do "
             f"not share a file system there, and each would write its part to its own disk. {SHARED_FS}. Nothing was "
             "written. Fix: a checkpoint directory on a shared file system")
+
+
+def _unseen(path: str, mesh, note: str, missing: str, other: str) -> dict[int, str]:
+    """Every rank reads the file ``path`` rank 0 just wrote (its content is unique: a random token),
+    and the ranks compare in one exchange. Returns ``{rank: why}`` for the ranks that read
+    something else than rank 0 (``missing (the error)``, or ``other``), every rank when rank 0
+    read nothing."""
+    try:
+        with open(path) as f:
+            seen = f.read()
+    except OSError as exc:
+        seen = f"{missing} ({short_error(exc)})"
+    views = agree({dist.get_rank(): seen}, mesh, note)
+    lost = views[0].startswith(f"{missing} (")
+    return {r: (s if s.startswith(f"{missing} (") else other) for r, s in views.items() if lost or s != views[0]}
 
 
 def same_checkpoint(path: str, mesh, info: dict) -> None:
@@ -123,32 +132,24 @@ def check_shared_folder(folder: str, mesh, what: str = "checkpoint.dir") -> None
             rank 0's file.
         CollectiveError: a peer lost while exchanging."""
     probe = os.path.join(folder, f"{PROBE}-{os.getpid()}")
-    token = os.urandom(8).hex() if dist.get_rank() == 0 else None
     made = None
-    if token is not None:
+    if dist.get_rank() == 0:
         try:
             os.makedirs(folder, exist_ok=True)
             with open(probe, "x") as f:
-                f.write(token)
+                f.write(os.urandom(8).hex())
             made = probe
-        except OSError as exc:
-            token = f"rank 0 could not write {probe!r} ({short_error(exc)})"
-    try:
-        probes = agree({dist.get_rank(): (probe, token)}, mesh, f"{what}: after writing the probe")
-        probe0, token0 = probes[0]
-        try:
-            with open(probe0) as f:
-                seen = f.read()
-        except OSError as exc:
-            seen = f"no file ({short_error(exc)})"
-        seen_all = agree({dist.get_rank(): seen}, mesh, f"{what}: after reading the probe")
+        except OSError:  # then rank 0 reads no file either: every rank is named below
+            pass
+    try:  # (the exchange of rank 0's probe path is also the barrier before the others read it)
+        probe0 = agree({dist.get_rank(): probe}, mesh, f"{what}: after writing the probe")[0]
+        blind = _unseen(probe0, mesh, f"{what}: after reading the probe", "no file", "another file")
     finally:
         if made is not None:  # ours alone: written above, by this process
             try:
                 os.remove(made)
             except OSError:
                 pass
-    blind = {r: (s if s.startswith("no file") else "another file") for r, s in seen_all.items() if s != token0}
     if blind:
         raise CheckpointError(
             f"{what} {folder!r}: not every rank sees the file rank 0 wrote there ({describe(blind)}): the ranks do not "

@@ -81,13 +81,19 @@ def first_difference(states: dict[int, dict], sites: bool = False):
 
 def _issued(state: dict, rec: dict) -> bool:
     """Whether the rank of ``state`` issued the collective ``rec`` (its index on the group):
-    then a rank waiting in it was only slow to see it complete. Unknown records count as issued."""
+    then a rank waiting in it was only slow to see it complete. Unknown records count as issued,
+    unless the rank's process exited: it can never take part again."""
     records = state.get("records")
     if records is None:
-        return True
+        return state["status"] != "exited"
     p2p = rec["kind"] in ("send", "recv")  # point to point is numbered apart from the collectives of its group
     return any(r["group"] == rec["group"] and r["gseq"] >= rec["gseq"] and (r["kind"] in ("send", "recv")) == p2p
                for r in records)
+
+
+def _waited_for(waiting: list[dict], finished: dict[int, dict]) -> list[int]:
+    """The finished ranks in the groups the ``waiting`` ranks wait in."""
+    return sorted({m for s in waiting for m in _members(s["waiting"]["group"]) if m in finished})
 
 
 def _crossed_p2p(states: dict[int, dict]) -> list[str]:
@@ -179,10 +185,8 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
     # a rank that is alive but did not answer (a long call holding the GIL) may still be on its way
     busy = [s for s in ranks if s["status"] in ("busy", "silent")]
     finished = {s["rank"]: s for s in ranks if s["status"] in ("returned", "exited")}
-    # a process that exited without its records can never take part again: its peers' waits are stuck
     done = [s for s in ranks if s["status"] == "waiting" and any(
-        not _issued(finished[m], s["waiting"]) or (finished[m]["status"] == "exited" and finished[m].get("records") is None)
-        for m in _members(s["waiting"]["group"]) if m in finished)]
+        not _issued(finished[m], s["waiting"]) for m in _members(s["waiting"]["group"]) if m in finished)]
     diff = first_difference(states)
     crossed = _crossed_p2p(states)
     untraced = not busy and diff is None and any(s["status"] == "untraced" for s in ranks) and any(
@@ -197,9 +201,8 @@ def analyze(states: dict[int, dict], world: int) -> tuple[bool, str, str]:
         lines.append(f"{head} {kind} {'gone or frozen' if len(hard_lost) > 1 else hard_lost[0]['status'].replace('stopped', 'frozen')}: "
                      f"the other ranks wait for {'it' if len(hard_lost) == 1 else 'them'} in their collectives.")
         cls = "RankFailureError"
-    elif done and not diff and all(finished[m]["status"] == "exited" for s in done for m in _members(s["waiting"]["group"])
-                                   if m in finished):
-        gone = sorted({m for s in done for m in _members(s["waiting"]["group"]) if m in finished})
+    elif done and not diff and all(finished[m]["status"] == "exited" for m in _waited_for(done, finished)):
+        gone = _waited_for(done, finished)
         waiters = ", ".join(str(s["rank"]) for s in done)
         lines.append(f"rank{'s' * (len(gone) > 1)} {', '.join(map(str, gone))} ended (the process exited) while "
                      f"rank{'s' * (len(done) > 1)} {waiters} wait{'s' * (len(done) == 1)} for "

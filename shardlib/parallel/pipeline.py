@@ -135,7 +135,8 @@ def partition(model: nn.Module, rank: int, world_size: int, num_model_chunks: in
     if len(layers) < n_stages:
         raise ShardingError(
             f"{type(model).__name__} has {len(layers)} pipeline layers, fewer than the {n_stages} stages of "
-            f"pp={world_size} x {num_model_chunks} chunks. Fix: a smaller pp axis, fewer virtual stages, or schedule='1f1b' (one stage per rank)"
+            f"pp={world_size} x {num_model_chunks} chunks. Fix: a smaller pp axis, fewer virtual stages, or "
+            "schedule='1f1b' (one stage per rank)"
         )
     if split_points is not None:
         names = [name for name, _, _ in layers]

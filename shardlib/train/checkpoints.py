@@ -58,7 +58,7 @@ class Checkpoints:
         from ..checkpoint._shared import PROBE
 
         # (a probe of check_shared_folder left by a run stopped at start is ours: not an entry)
-        names = sorted(n for n in os.listdir(self.dir) if not n.startswith(PROBE + "-")) if os.path.isdir(self.dir) else []
+        names = sorted(n for n in (os.listdir(self.dir) if os.path.isdir(self.dir) else []) if not n.startswith(PROBE + "-"))
         if self.resume:
             self._check_resume_folder(names)
         if names and not self.resume:
