@@ -72,11 +72,18 @@ def _context():
     The server starts inside the ``OMP_NUM_THREADS=1`` window of the first group, so the
     OpenMP runtime torch loads there has one thread. It keeps the torch and shardlib it
     imported for the life of the parent process (a notebook kernel: restart it after editing
-    shardlib itself; the user's own functions travel with each call)."""
+    shardlib itself; the user's own functions travel with each call).
+
+    ``SHARDLIB_PRELOAD`` (comma-separated module names, read when the server starts) adds
+    modules the server imports too, for the heavy imports of the functions you run: each worker
+    imports the module a pickled function belongs to, and everything that module imports
+    (``transformers`` models: about 2 s of CPU per worker; the test suite preloads them). A
+    name that fails to import there is skipped (the worker then imports it itself, or raises)."""
     if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")  # macOS: forking a process that loaded torch is not fork-safe there
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlib", "torch._dynamo"])
+    extra = [m.strip() for m in os.environ.get("SHARDLIB_PRELOAD", "").split(",") if m.strip()]
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlib", "torch._dynamo", *extra])
     return ctx
 
 
