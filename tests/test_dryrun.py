@@ -10,8 +10,6 @@ runs of GPT-7B and LLaMA-70B are benchmarks/dryrun.py, not tests.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -110,7 +108,7 @@ CASES = {
 
 
 def _in_this_process(tmp: str) -> dict:
-    """Every case, then the refusals and the command line, in this (fresh) process."""
+    """Every case, then the refusals and the command line, in this (fresh) process: tests/_inpool.py."""
     import contextlib
     import io
 
@@ -156,12 +154,10 @@ def _in_this_process(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("dryrun"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, tmp], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from _inpool import in_fresh_process
+
+    # as the tests read it, through JSON (tuples as lists, keys as strings)
+    return json.loads(json.dumps(in_fresh_process(_in_this_process, str(tmp_path_factory.mktemp("dryrun")))))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -238,7 +234,3 @@ def test_materialize_on_is_scoped():
     with materialize_on("meta") as device:
         assert device == torch.device("meta") == default_device()
     assert default_device() == before
-
-
-if __name__ == "__main__":  # the fresh process of the runs fixture
-    print(json.dumps(_in_this_process(sys.argv[1])))

@@ -16,8 +16,6 @@ tests/test_native_collectives.py).
 import datetime
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -228,11 +226,10 @@ def test_zero_dry_run_on_two_data_axes_hands_collectives_only_meta_tensors(tmp_p
     2, the optimizer step with clipping (the norm's all-reduce), two data axes in both orders.
     Every tensor handed to a collective is on meta (check mode); each chunk's shard is torch's
     group rank's slot (the fake group runs the native branch)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDLIB_CHECK_COLLECTIVES": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore::FutureWarning", __file__], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from _inpool import in_fresh_process
+
+    assert os.environ["SHARDLIB_CHECK_COLLECTIVES"] == "1"  # the fresh process checks as the suite does
+    results = json.loads(json.dumps(in_fresh_process(_dry_runs)))  # a process with no group: tests/_inpool.py
     for (stage, axes), res in zip(DRY_CASES, results):
         assert res["native"] and res["check"] and res["norm_device"] == "meta", (stage, axes, res)
         assert res["torch_group_rank"] == 2  # dp 1, fsdp 0: the third of the sorted ranks [0, 1, 2, 3]
@@ -242,7 +239,3 @@ def test_zero_dry_run_on_two_data_axes_hands_collectives_only_meta_tensors(tmp_p
         assert res["comm"][f"{key}/all_reduce"] >= 1  # the norm (stages 1-3) or the gradients (stage 0)
         if stage:
             assert res["comm"][f"{key}/reduce_scatter"] >= 1 and res["comm"][f"{key}/all_gather"] >= 1
-
-
-if __name__ == "__main__":
-    print(json.dumps(_dry_runs()))

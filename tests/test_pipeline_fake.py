@@ -8,9 +8,6 @@ interpreter (this file run as a script, once for every case), one after another.
 
 import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -105,16 +102,17 @@ def _refuse_unknown_width() -> str:
 CASES = [("play", {"pp": 2, "dp": 2}, None), ("play", {"pp": 2, "dp": 2, "tp": 2}, "llama"), ("refuse",)]
 
 
+def _every_case(cases) -> list:
+    return [_play_every_rank(*case[1:]) if case[0] == "play" else _refuse_unknown_width() for case in cases]
+
+
 @functools.lru_cache(maxsize=None)
 def _fresh_results() -> list:
-    """Every case of CASES, one after another in one fresh interpreter (a process start and
-    imports cost seconds: one process for all three, not one each)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, json.dumps(CASES)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Every case of CASES, one after another in one fresh process with no process group
+    (tests/_inpool.py): one process for all three, not one each. Through JSON, as the tests read them."""
+    from _inpool import in_fresh_process
+
+    return json.loads(json.dumps(in_fresh_process(_every_case, CASES)))
 
 
 def _in_fresh_process(*case) -> object:
@@ -139,8 +137,3 @@ def test_pipeline_step_on_fake_group(shape, specs):
 
 def test_fake_group_refuses_a_pipeline_of_unknown_width_and_data_dependent_shapes():
     assert _in_fresh_process("refuse") == "refused"
-
-
-if __name__ == "__main__":  # the fresh process of _fresh_results: every case, in order
-    print(json.dumps([_play_every_rank(*case[1:]) if case[0] == "play" else _refuse_unknown_width()
-                      for case in json.loads(sys.argv[1])]))

@@ -10,9 +10,6 @@ interpreter (about 4 s).
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -65,11 +62,9 @@ DRY_RUNS = {"gpt_sp_fp32": dict(zero_stage=1, dtype="fp32"), "gpt_sp_bf16": dict
 
 @pytest.fixture(scope="module")
 def runs():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDLIB_CHECK_COLLECTIVES": "1"}
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from _inpool import in_fresh_process
+
+    return json.loads(json.dumps(in_fresh_process(_in_this_process)))  # as the tests read it, through JSON
 
 
 def test_vocab_parallel_cross_entropy_exchanges_widths_on_the_mesh_device(runs):
@@ -110,7 +105,3 @@ def test_sequence_parallel_exit_before_a_replicated_head_is_planned_as_sent(runs
     # per layer 2 all-gathers + 2 reduce-scatters forward and backward (column/row pairs), the entry's
     # backward all-gather and the exit's forward all-gather: 2 x 4 + 2 calls of each 16 x 64 tokens
     assert r["comm_measured"]["tp/reduce_scatter"][0] == 2 * 2 * 2, r["comm_measured"]
-
-
-if __name__ == "__main__":  # the fresh process of the runs fixture
-    print(json.dumps(_in_this_process()))

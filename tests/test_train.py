@@ -417,14 +417,11 @@ def test_plot_draws_the_curves_and_keeps_existing_files(tmp_path):
 
 # -- the entry point under torchrun -------------------------------------------------------------
 
-def _tool(tmp_path, module, *args, fails=False):
+def _tool(tmp_path, module, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", module, "--config", DEFAULT, *[f"--set={o}" for o in SMALL], *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if fails:
-        assert out.returncode != 0, out.stdout[-3000:]
-        return out.stdout + out.stderr
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -433,17 +430,27 @@ def _records(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def _tool_in_pool(tmp_path, module, *args):
+    """``_tool``'s run through the module's ``main`` on the pool's 2 ranks (tests/_inpool.py:
+    each torchrun run costs 8-15 s of the suite); rank 0's stdout first, as torchrun shows it."""
+    from _inpool import run_main, stdout_of
+
+    return stdout_of(run_main(2, module, ["--config", DEFAULT, *[f"--set={o}" for o in SMALL], *args], cwd=tmp_path))
+
+
 @pytest.mark.multiprocess
 # 2 ranks each (a 4-rank case took 46 s of the suite; torchrun on 4 ranks is covered by
 # test_examples' pipeline x tensor / sequence parallel runs): data parallel resumed and evaluated
 # on tensor parallel, and tensor parallel evaluated on a 2-stage pipeline (its resume would repeat
-# the first case's under torchrun, 8-9 s of the suite: resharded resumes on tensor-parallel
-# meshes are test_checkpoint's)
+# the first case's, 8-9 s of the suite: resharded resumes on tensor-parallel meshes are
+# test_checkpoint's). Each entry point runs once under torchrun (the first case trains there, the
+# second evaluates there); the other runs call the same main() on the pool's ranks
 @pytest.mark.parametrize("mesh, eval_mesh, resume", [("{'dp': -1}", "dp=1,tp=2", True), ("{'tp': 2}", "pp=2", False)])
 def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path, mesh, eval_mesh, resume):
     ck = tmp_path / "ck"
     args = (f"--set=parallel.mesh={mesh}", f"--set=checkpoint.dir={str(ck)!r}", "--set=checkpoint.interval=2")
-    out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='a'", "--set=checkpoint.keep_last=0")
+    run = _tool if resume else _tool_in_pool
+    out = run(tmp_path, "shardlib.train", *args, "--set=train.out_dir='a'", "--set=checkpoint.keep_last=0")
     assert "step 4/4 | loss" in out and "checkpoint" in out
     assert sorted(os.listdir(ck)) == ["step_000002", "step_000004"]
     straight = _records(tmp_path / "a" / "metrics.jsonl")
@@ -455,7 +462,7 @@ def test_entry_point_trains_checkpoints_resumes_bit_exact_and_evaluates(tmp_path
         # whose data size does not divide the training batch could not evaluate at all
         got = run_on(1, _eval_with_another_global_batch, str(ck))[0]
         assert got["step"] == 4 and math.isfinite(got["val_loss"]), got
-    _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight)
+    _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight, _tool_in_pool if resume else _tool)
 
 
 def _eval_with_another_global_batch(ck):
@@ -468,8 +475,8 @@ def _eval_with_another_global_batch(ck):
 def _resume_bit_exact(tmp_path, ck, args, straight):
     # a run killed after step 2: its step-4 checkpoint never written (the test's own folder)
     checkpoint.remove(ck / "step_000004")
-    out = _tool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='b'", "--set=checkpoint.resume=True",
-                "--set=checkpoint.keep_last=1")
+    out = _tool_in_pool(tmp_path, "shardlib.train", *args, "--set=train.out_dir='b'", "--set=checkpoint.resume=True",
+                        "--set=checkpoint.keep_last=1")
     assert f"resumed from {ck / 'step_000002'} at step 2" in out
     resumed = _records(tmp_path / "b" / "metrics.jsonl")
     keys = ("step", "loss", "grad_norm", "lr", "val_loss")
@@ -483,10 +490,10 @@ def _resume_bit_exact(tmp_path, ck, args, straight):
         Checkpoints(section, 4)
 
 
-def _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight):
+def _evaluate_on_another_mesh(tmp_path, ck, eval_mesh, straight, tool):
     # the checkpoint's validation loss, on another mesh: the training run's last figure
     res = tmp_path / "eval.json"
-    out = _tool(tmp_path, "shardlib.eval", "--ckpt", str(ck), "--mesh", eval_mesh,
+    out = tool(tmp_path, "shardlib.eval", "--ckpt", str(ck), "--mesh", eval_mesh,
                 "--set=parallel.microbatches=2", "--json", str(res))
     got = json.loads(res.read_text())
     assert got["step"] == 4

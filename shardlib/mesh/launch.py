@@ -74,17 +74,21 @@ def _context():
     imported for the life of the parent process (a notebook kernel: restart it after editing
     shardlib itself; the user's own functions travel with each call).
 
-    ``SHARDLIB_PRELOAD`` (comma-separated module names, read when the server starts) adds
-    modules the server imports too, for the heavy imports of the functions you run: each worker
-    imports the module a pickled function belongs to, and everything that module imports
-    (``transformers`` models: about 2 s of CPU per worker; the test suite preloads them). A
-    name that fails to import there is skipped (the worker then imports it itself, or raises)."""
+    :data:`EXTRA_PRELOAD` (module names, read when the server starts) adds modules the server
+    imports too, for the heavy imports of the functions you run: each worker imports the module a
+    pickled function belongs to, with everything that module imports (``transformers`` models:
+    about 2 s of CPU per worker; the test suite preloads them). A name that fails to import
+    there is skipped (the worker then imports it itself, or raises)."""
     if not sys.platform.startswith("linux") or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")  # macOS: forking a process that loaded torch is not fork-safe there
     ctx = mp.get_context("forkserver")
-    extra = [m.strip() for m in os.environ.get("SHARDLIB_PRELOAD", "").split(",") if m.strip()]
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlib", "torch._dynamo", *extra])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardlib", "torch._dynamo", *EXTRA_PRELOAD])
     return ctx
+
+
+EXTRA_PRELOAD: list[str] = []
+"""Modules the workers' fork server imports besides torch and shardlib (see :func:`_context`);
+set before the first :class:`WorkerGroup` (or :func:`launch`) of the process."""
 
 
 def _start_forkserver(ctx) -> None:
