@@ -598,3 +598,35 @@ def test_an_idle_worker_survives_an_interrupt_of_the_process_group():
         assert group.run(os.getpid) == [pid]  # and the worker serves on
     finally:
         group.close()
+
+
+def _wait_for_file(path):
+    import os
+    import time
+
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+    return os.getpid()
+
+
+@pytest.mark.multiprocess
+def test_start_returns_while_the_ranks_run_and_its_results_are_collected_once(tmp_path):
+    """``WorkerGroup.start`` sends the function and returns: the ranks here wait for a file the
+    caller writes only after start() returned (a blocking start would time them out). A second
+    start before the collection, and a second collection, are refused."""
+    from shardlib.mesh.launch import WorkerGroup
+
+    flag = tmp_path / "go"
+    with WorkerGroup(2, timeout=60) as group:
+        collect = group.start(_wait_for_file, str(flag))
+        with pytest.raises(RuntimeError, match="was not collected"):
+            group.start(_wait_for_file, str(flag))
+        flag.write_text("")
+        pids = collect()
+        assert len(set(pids)) == 2
+        with pytest.raises(RuntimeError, match="already collected"):
+            collect()
+        assert group.run(_wait_for_file, str(flag)) == pids  # the group serves the next run

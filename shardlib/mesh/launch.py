@@ -207,6 +207,7 @@ class WorkerGroup:
             # turns SystemExit into exit code 1)
         self.nprocs = nprocs
         self.timeout = timeout
+        self._running = False  # a run was started and not collected (start())
         self._dir = tempfile.mkdtemp(prefix="shardlib-")
         ctx = _context()
         self._conns, self._procs = [], []
@@ -252,12 +253,37 @@ class WorkerGroup:
                 of them), died, or did not answer within ``timeout`` seconds (default: the
                 group's collective timeout plus a minute).
         """
+        return self.start(fn, *args, timeout=timeout, **kwargs)()
+
+    def start(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Callable[[], list]:
+        """Send ``fn(*args, **kwargs)`` to every rank and return at once, so the caller can work
+        while the ranks run (the test harness computes its single-process reference meanwhile).
+        The returned function waits for the results as :meth:`run` does (``timeout`` counted
+        from now) and must be called before the next run.
+
+        Raises:
+            RuntimeError: the group was closed, or an earlier ``start`` was not collected.
+        """
         if not self.alive:
             raise RuntimeError("this WorkerGroup was closed after a failure; make a new one")
+        if self._running:
+            raise RuntimeError("a run started on this WorkerGroup was not collected: call the function start() "
+                               "returned before starting another")
         payload = cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
         for conn in self._conns:
             conn.send(payload)
-        return self._collect(timeout if timeout is not None else self.timeout + 60)
+        self._running = True
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout + 60)
+
+        def collect() -> list:
+            if not self._running:
+                raise RuntimeError("this run's results were already collected")
+            try:
+                return self._collect(max(0.0, deadline - time.monotonic()))
+            finally:
+                self._running = False
+
+        return collect
 
     def _collect(self, timeout, startup=False):
         deadline = None if timeout is None else time.monotonic() + timeout

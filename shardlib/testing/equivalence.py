@@ -182,7 +182,7 @@ def assert_equivalent(
         ShardingError: the batch does not split evenly over data ranks and micro-steps; on a
             pipeline mesh, no ``loss_fn``, a batch that is not ``(x, y)``, or ``accum_steps`` != 1.
     """
-    from .pool import run_on
+    from .pool import get_pool
 
     harness = {
         "optimizer_cls": options.pop("optimizer_cls", torch.optim.AdamW),
@@ -221,9 +221,17 @@ def assert_equivalent(
     if rtol is None:
         rtol = default_tolerances(probe.params[0].dtype if probe.params else torch.float32)
 
-    # the single process first: a trajectory too chaotic to compare is reported before any worker runs
-    reference, bands = reference_with_bands(functools.partial(_reference_run, make_model, batch, harness), steps, rtol)
-    results = run_on(world, _sharded_worker, make_model, mesh_shape, specs, batch, steps, options, harness)
+    # the ranks run while this process computes the single-process reference (its serial time was
+    # idle time of the workers' cores); a trajectory too chaotic to compare is reported first
+    collect = get_pool(world).start(_sharded_worker, make_model, mesh_shape, specs, batch, steps, options, harness)
+    try:
+        reference, bands = reference_with_bands(functools.partial(_reference_run, make_model, batch, harness), steps,
+                                                rtol)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the ranks' results or errors: the reference's error comes first
+            collect()
+        raise
+    results = collect()
     mine = results[0]["records"]
     report: dict[str, Any] = {"losses": [(g["loss"], r["loss"]) for g, r in zip(mine, reference)],
                               "max_rel": compare_records(mine, reference, bands, rtol),
