@@ -44,9 +44,10 @@ def run_main(nprocs: int, target: str, argv: list[str], cwd=None) -> list[tuple[
     return run_on(nprocs, _main_on_rank, str(target), [str(a) for a in argv], None if cwd is None else str(cwd))
 
 
-def stdout_of(results: list[tuple[int, str]]) -> str:
-    """Every rank's stdout, rank 0 first (as torchrun interleaves them), after asserting that
-    every rank returned 0."""
+def stdout_of(nprocs: int, target: str, argv: list[str], cwd=None) -> str:
+    """:func:`run_main`'s stdout of every rank, rank 0's first (as torchrun interleaves them),
+    after asserting that every rank returned 0."""
+    results = run_main(nprocs, target, argv, cwd)
     assert all(rc == 0 for rc, _ in results), [(rc, text[-2000:]) for rc, text in results]
     return "".join(text for _, text in results)
 

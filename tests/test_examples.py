@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from _inpool import run_main, stdout_of  # noqa: E402  (tests/ is on the path, as for conftest)
+
 
 GPT_SCRIPT = ROOT / "examples" / "train_gpt.py"
 HF_SCRIPT = ROOT / "examples" / "train_hf.py"
@@ -23,7 +25,7 @@ GPT_ARGS = ("--zero-stage", "3", "--steps", "4", "--eval-every", "4", "--eval-ba
 
 def _train_gpt(tmp_path, *extra, nproc=2):
     """Run the job under torchrun on ``nproc`` ranks; its stdout. One test of each script runs it
-    so; the others call its ``main`` on the pool's ranks (``_in_pool``: a torchrun run costs
+    so; the others call its ``main`` on the pool's ranks (tests/_inpool.py: a torchrun run costs
     8-15 s of the suite in process starts and imports)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(GPT_SCRIPT), *GPT_ARGS, *extra]
@@ -31,14 +33,6 @@ def _train_gpt(tmp_path, *extra, nproc=2):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + _crash_report(out.stderr)
     return out.stdout
-
-
-def _in_pool(tmp_path, script, *args, nproc):
-    """``script``'s ``main(args)`` on the pool's ``nproc`` ranks in ``tmp_path``: every rank's
-    stdout, rank 0's first, after asserting exit status 0 on each."""
-    from _inpool import run_main, stdout_of
-
-    return stdout_of(run_main(nproc, script, args, cwd=tmp_path))
 
 
 def _crash_report(stderr: str) -> str:
@@ -62,15 +56,14 @@ def test_train_gpt_under_torchrun_with_check_and_resume(tmp_path):
     assert log.exists()
     assert sorted(os.listdir(ckpt)) == ["step_000002", "step_000004"]
     # a fresh job from the step-2 checkpoint: steps 3-4 and the final validation loss bit for bit
-    out = _in_pool(tmp_path, GPT_SCRIPT, *GPT_ARGS, "--n-layer", "2", "--resume", str(ckpt / "step_000002"),
-                   "--log-json", str(log2), nproc=2)
+    out = stdout_of(2, GPT_SCRIPT, [*GPT_ARGS, "--n-layer", "2", "--resume", str(ckpt / "step_000002"),
+                                    "--log-json", str(log2)], cwd=tmp_path)
     assert "resumed from" in out and "at step 2" in out
     straight, resumed = json.loads(log.read_text())["history"], json.loads(log2.read_text())["history"]
     keys = ("step", "train_loss", "val_loss")
     assert [[h[k] for k in keys] for h in resumed] == [[h[k] for k in keys] for h in straight]
     # a 2-block model's checkpoint into the 1-block model: refused with the reason, on every rank (it
     # used to print "resumed" and train on, the second block's weights ignored)
-    from _inpool import run_main
     from shardlib.errors import WorkerError
 
     with pytest.raises(WorkerError) as info:
@@ -86,9 +79,9 @@ def test_train_gpt_pipeline_x_sequence_parallel_prints_the_pipeline_plan(tmp_pat
     """--mesh pp=2,tp=2 --sequence-parallel trains, prints the pipeline plan (not the whole model's),
     and its losses agree with one process (--check exits 1 past its 1e-4 tolerance), with
     selective recompute of each stage's block (measured: 1.76e-07)."""
-    out = _in_pool(tmp_path, GPT_SCRIPT, *GPT_ARGS, "--mesh", "pp=2,tp=2", "--sequence-parallel", "--zero-stage", "1",
-                   "--microbatches", "2", "--n-layer", "2", "--check", "4", "--activation-checkpointing", "selective",
-                   nproc=4)
+    out = stdout_of(4, GPT_SCRIPT, [*GPT_ARGS, "--mesh", "pp=2,tp=2", "--sequence-parallel", "--zero-stage", "1",
+                                    "--microbatches", "2", "--n-layer", "2", "--check", "4",
+                                    "--activation-checkpointing", "selective"], cwd=tmp_path)
     assert "activation checkpointing: selective on 1 module (blocks.1)" in out  # stage 1's block only
     assert "Pipeline over 'pp' (2 ranks x 1 chunks = 2 stages), schedule 1f1b, 2 microbatches" in out
     assert "every boundary transfer carries the sequence shard" in out
@@ -96,7 +89,8 @@ def test_train_gpt_pipeline_x_sequence_parallel_prints_the_pipeline_plan(tmp_pat
     assert "stage plan of pp rank 1" in out and "max relative loss difference" in out
 
 
-HF_ARGS = ("--steps", "2", "--eval-every", "2", "--batch-size", "4", "--block-size", "32", "--hidden", "32", "--layers", "2")
+HF_ARGS = ("--steps", "2", "--eval-every", "2", "--batch-size", "4", "--block-size", "32", "--hidden", "32",
+           "--layers", "2")
 
 
 def _train_hf(tmp_path, *extra, nproc=4):
@@ -138,8 +132,8 @@ def test_train_hf_gemma_pipeline_x_tensor_parallel(tmp_path):
     """Gemma (scaled embedding, embeddings tied across the two stages) as a pipeline on pp=2 x tp=2:
     forward_backward with 4 microbatches, the loss from the last stage (the "no pipeline path"
     refusal is gone)."""
-    out = _in_pool(tmp_path, HF_SCRIPT, *HF_ARGS, "--model", "gemma", "--mesh", "pp=2,tp=2", nproc=4)  # qwen3's
-    # test runs the script under torchrun
+    # in the pool's 4 ranks (qwen3's test runs the script under torchrun)
+    out = stdout_of(4, HF_SCRIPT, [*HF_ARGS, "--model", "gemma", "--mesh", "pp=2,tp=2"], cwd=tmp_path)
     assert "model: GemmaForCausalLM" in out
     assert "Pipeline over 'pp' (2 ranks x 1 chunks = 2 stages), schedule 1f1b, 4 microbatches" in out
     assert "tensor parallelism verified exact on" in out

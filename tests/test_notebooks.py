@@ -10,9 +10,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 @pytest.mark.multiprocess
 def test_notebooks_execute():
     """Each notebook runs top to bottom, one after the other in one kernel, the user namespace
-    cleared before each (every name the kernel did not start with): a kernel and its fork server per notebook cost 8-10 s of
-    the suite each (a name one notebook defines and the next uses without defining still fails;
-    ``%reset`` itself would also remove the ``__spec__`` that multiprocessing reads)."""
+    cleared before each (every name the kernel did not start with): a kernel and its fork server
+    per notebook cost 8-10 s of the suite each. A name one notebook defines and the next uses
+    without defining still fails; ``%reset`` would also remove the ``__spec__`` multiprocessing reads."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     whole = nbformat.v4.new_notebook()

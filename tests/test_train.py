@@ -433,9 +433,9 @@ def _records(path):
 def _tool_in_pool(tmp_path, module, *args):
     """``_tool``'s run through the module's ``main`` on the pool's 2 ranks (tests/_inpool.py:
     each torchrun run costs 8-15 s of the suite); rank 0's stdout first, as torchrun shows it."""
-    from _inpool import run_main, stdout_of
+    from _inpool import stdout_of
 
-    return stdout_of(run_main(2, module, ["--config", DEFAULT, *[f"--set={o}" for o in SMALL], *args], cwd=tmp_path))
+    return stdout_of(2, module, ["--config", DEFAULT, *[f"--set={o}" for o in SMALL], *args], cwd=tmp_path)
 
 
 @pytest.mark.multiprocess
