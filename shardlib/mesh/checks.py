@@ -68,6 +68,19 @@ def env_flag(name: str) -> bool:
                         f"{list(_OFF[1:])} or empty (off)")
 
 
+def env_count(name: str) -> int | None:
+    """The positive integer environment variable ``name`` (unset or empty: None).
+
+    Raises:
+        ShardingError: anything else, naming the variable and its value."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ShardingError(f"{name}={os.environ[name]!r} is not understood: a positive integer, or unset (no limit)")
+    return int(value)
+
+
 def check_on_device(tensors, mesh, what: str, allow_meta: bool = False) -> None:
     """Refuse a tensor that is not on ``mesh.device`` (the device every tensor handed to
     ``torch.distributed`` must be on: NCCL takes CUDA tensors only), before any communication.

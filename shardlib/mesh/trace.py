@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from .checks import env_flag
+from .checks import env_count, env_flag
 
 __all__ = ["Trace", "SLOTS", "read_trace_file", "trace_path", "format_record", "signature", "is_library", "main"]
 
@@ -199,8 +199,11 @@ class Trace:
         step: optimizer steps finished on this rank (:meth:`next_step`).
         status: ``running``, ``returned`` (a launched function returned) or ``exited``.
         waiting: ``(record, monotonic start)`` of the collective the main thread is blocked in.
-        check: compare shapes across the group before each collective
-            (``SHARDLIB_CHECK_COLLECTIVES=1``; on in the tests).
+        check: check mode (``SHARDLIB_CHECK_COLLECTIVES=1``; on in the tests): the local checks
+            (every tensor handed to ``torch.distributed`` on the mesh's device and contiguous) on
+            every step, and the comparisons across ranks while :attr:`compare` is True.
+        compare_steps: ``SHARDLIB_CHECK_STEPS``: check mode compares across ranks during the
+            first this many optimizer steps of a task only (None, unset: every step).
     """
 
     def __init__(self, rank: int, path: str | None = None):
@@ -208,6 +211,7 @@ class Trace:
         self.seq, self.step, self.status = 0, 0, "running"
         self.waiting = None
         self.check = env_flag("SHARDLIB_CHECK_COLLECTIVES")
+        self.compare_steps = env_count("SHARDLIB_CHECK_STEPS")
         self._gseq: dict[str, int] = {}
         self._labels: dict = {}
         self._sites: dict = {}
@@ -316,6 +320,17 @@ class Trace:
         self.step = 0
         self._buf[_HEADER:] = bytes(SLOTS * _SLOT)  # the earlier task's records would pair with this one's
         self._write_header()
+
+    @property
+    def compare(self) -> bool:
+        """Check mode compares across ranks now: each collective's kind, shape and dtype before it
+        runs, and a pipeline step's input signature (a sharded module's local batch is compared
+        on every step: a guard on the step would make torch.compile recompile that check). True
+        in check mode during the first :attr:`compare_steps` optimizer steps (all of them when it
+        is None). The ranks of a group decide alike as long as they are at the same step; a rank
+        a step ahead is found by the watchdog's comparison of the traces instead
+        (``SHARDLIB_WATCHDOG``)."""
+        return self.check and (self.compare_steps is None or self.step < self.compare_steps)
 
     def next_step(self) -> None:
         """An optimizer step finished on this rank."""
