@@ -6,6 +6,7 @@ import numpy as np
 
 from .mesh.comm import ring_bytes
 from .parallel.tensor_cost import tensor_parallel_collectives
+from .pipeline_gathers import zero3_gathers
 
 __all__ = ["comm_per_step"]
 
@@ -28,6 +29,16 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
     again in backward (but a chunk with ``reshard_after_forward`` False, holding a tied
     parameter, only in forward) and reduce-scatters the trainable ones (3Ψ(N-1)/N without frozen
     or tied parameters). Ψ counts padded elements.
+
+    A pipeline stage's plan (:attr:`~shardlib.Plan.pipeline` set) counts its schedule instead:
+    ``micro_steps`` is then the microbatches of a step, a multiple of the schedule's ``m`` (one
+    ``forward_backward`` per ``m``), and stage 3 gathers each chunk as often as the schedule's
+    actions on this rank do (:func:`shardlib.pipeline_gathers.zero3_gathers`: per microbatch and
+    model chunk a forward and a backward, an input-gradient and a weight-gradient pass).
+
+    Raises:
+        ValueError: a pipeline stage under ZeRO-3 over several data ranks, and ``micro_steps``
+            not a multiple of its schedule's microbatches.
     """
     n = plan.data_size
     out: dict[tuple[str, str], list] = {}
@@ -63,6 +74,14 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
         nbytes = chunk.padded_numel * size
         out[(axis, kind)] = [calls + times, total + times * float(ring_bytes(kind, nbytes, n))]
 
+    gathers = None
+    if plan.zero_stage == 3 and plan.pipeline is not None:
+        runs, rest = divmod(micro_steps, plan.pipeline.m)
+        if rest or not runs:
+            raise ValueError(f"comm_per_step(micro_steps={micro_steps}) of a pipeline stage: a step runs the schedule "
+                             f"on {plan.pipeline.m} microbatches at a time, so micro_steps must be a positive multiple "
+                             f"of {plan.pipeline.m}. Fix: micro_steps={plan.pipeline.m} for one forward_backward")
+        gathers = [n * runs for n in zero3_gathers(plan)]
     for c in plan.chunks:
         if plan.zero_stage == 0:
             if c.requires_grad:
@@ -71,6 +90,11 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
             if c.requires_grad:
                 add("reduce_scatter", c)
                 add("all_gather", c)
+        elif gathers is not None:  # a pipeline stage: as its schedule runs
+            if gathers[c.index]:
+                add("all_gather", c, gathers[c.index])
+            if c.requires_grad:
+                add("reduce_scatter", c)
         else:  # forward and backward, or only forward where the chunk stays gathered in between
             add("all_gather", c, (2 if c.reshard_after_forward else 1) * micro_steps)
             if c.requires_grad:

@@ -41,6 +41,8 @@ from .parallel.pipeline import Stage, partition
 from .parallel.recompute import find_blocks, stage_choice
 from .parallel.schedule_theory import schedule_bubble_fraction
 from .parallel.schedules import Simulation, build_schedule, default_virtual_stages, placement, simulate, splits_backward
+from .pipeline_gathers import stage_schedule
+from .plan_items import model_chunks_of
 from .stage_layout import check_stage_layout, sequence_parallel_per_rank
 from .state_names import model_state_names
 
@@ -377,9 +379,14 @@ def plan_pipeline(model: torch.nn.Module, mesh: Any, specs: Any, options: dict, 
     for r, stage in enumerate(modules):
         # seen from the rank at pp index r with this rank's other coordinates (this mesh for our own stage)
         view = mesh if r == mesh.index(axis) else AbstractMesh(mesh.shape, rank=mesh.axis_ranks(axis)[r])
-        stage_plan = plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options)
+        names_of: dict[int, list[str]] = {}
+        for name, prm in stage.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(prm), []).append(name)
+        stage_plan = plan_module(stage, view, exact, pp_axis=axis, strict_specs=False, **options,
+                                 _model_chunks=model_chunks_of(stage.chunk_paths, list(names_of.values())))
         check_stage_layout(whole, stage_plan, stage, r)
-        stages.append(dataclasses.replace(stage_plan, **sp_fields[r]) if sp_fields else stage_plan)
+        stages.append(dataclasses.replace(stage_plan, **(sp_fields[r] if sp_fields else {}),
+                                          pipeline=stage_schedule(schedule, p, m, v, r)))
     return PipelinePlan(pp_axis=axis, schedule=schedule, p=p, m=m, v=v, stage_layers=layers, stage_param_bytes=sizes,
                         stages=tuple(stages), whole=whole, tied=_tied(model, whole, modules),
                         activation_width=_activation_width(model), state_names=_state_names(whole, modules),

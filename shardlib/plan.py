@@ -5,9 +5,9 @@ every rank, and every user error is raised here, on every rank, before the first
 
 Lowering order (fixed, as torchtitan's ``parallelize``): validate specs against the mesh and
 the tensors; choose each parameter's strategy; pack the parameters managed along the data axes
-into ZeRO chunks (registration order, whole transformer blocks where they fit, one open chunk
-per (dtype, trainable) group of at most ``chunk_size`` elements, searched when not given, padded
-to a multiple of the data-axis size; ColossalAI Gemini's chunk design, :mod:`shardlib.chunking`);
+into ZeRO chunks (registration order, whole transformer blocks where they fit, one open chunk per
+(dtype, trainable, pipeline model chunk) group of at most ``chunk_size`` elements, searched when not
+given, padded to a multiple of the data-axis size; ColossalAI Gemini's design, :mod:`shardlib.chunking`);
 then cost the result (model-state bytes per rank, communicated bytes per step).
 """
 
@@ -74,6 +74,7 @@ class Plan(PlanBytes):
     activation_shape: Any = None  # shardlib.memory_estimate.ActivationShape, or None: activations not modelled
     verify: bool = True  # shard() proves the tensor-parallel lowering exact first (parallel/tensor_verify.py)
     verify_input: Any = field(compare=False, repr=False, default=None)
+    pipeline: Any = None  # a pipeline stage: this rank's schedule, for the cost model (pipeline_gathers.StageSchedule)
     mesh: Any = field(compare=False, repr=False, default=None)
 
     # -- layout on this rank -----------------------------------------------------------------
@@ -239,8 +240,7 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         fused: ``{module glob: blocks}`` for column layers joining projections, each split on its
             own: equal blocks (GPT-2: ``{"*.c_attn": 3}``) or sizes (Phi-3: ``(H*hd, KV*hd, KV*hd)``).
         sequence_parallel: Megatron sequence parallelism on the tensor axis (arXiv 2205.05198).
-        sp_entry: the module whose input is split along the sequence (default: ``drop``, else
-            the first decoder block).
+        sp_entry: the module whose input is split along the sequence (default: ``drop``, else the first decoder block).
         sp_exit: a module whose output is gathered along the sequence (GPT-2's ``ln_f``, before
             Hugging Face reshapes by the full length); default: the output layer gathers.
         tp_sum_grads: globs of replicated parameters used on tensor-split activations, whose
@@ -261,15 +261,14 @@ def plan(model: torch.nn.Module, mesh: Any, specs: Any = None, **options: Any) -
         offload_ratio: fraction in [0, 1] of saved activation bytes moved to host memory in forward and back in
             backward (haiscale's ``CPUOffload``; :mod:`shardlib.parallel.offload`); ``0.0`` moves nothing but
             measures (``smodel.activation_offload.stats``); default None: no saved-tensor hooks.
-        optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv
-            2101.06840); :class:`~shardlib.ZeroOptimizer` follows it; default False.
-        offload_param_frac: ZeRO-3 only, a number in [0, 1]: the chunks holding this fraction
-            of each rank's shard bytes (index order, :attr:`Plan.offloaded_chunks`) keep their
-            shards, gradient shards and optimizer state in host memory (pinned with CUDA), are
-            copied to the device before each gather (a side stream on CUDA) and updated on the
-            CPU (ColossalAI Gemini's ``offload_param_frac``, ZeRO-Infinity's parameter offload,
-            arXiv 2104.07857). On one data rank ZeRO-3 then keeps running as stage 3 (the
-            shard is the whole chunk). Default 0.
+        optimizer_offload: optimizer state and update in host memory (ZeRO-Offload, arXiv 2101.06840);
+            :class:`~shardlib.ZeroOptimizer` follows it; default False.
+        offload_param_frac: ZeRO-3 only, a number in [0, 1]: the chunks holding this fraction of each rank's
+            shard bytes (index order, :attr:`Plan.offloaded_chunks`) keep their shards, gradient shards and
+            optimizer state in host memory (pinned with CUDA), are copied to the device before each gather (a side
+            stream on CUDA) and updated on the CPU (ColossalAI Gemini's ``offload_param_frac``, ZeRO-Infinity's
+            parameter offload, arXiv 2104.07857). On one data rank ZeRO-3 then keeps running as stage 3 (the shard
+            is the whole chunk). Default 0.
         activation_checkpointing: modules whose forward backward runs again instead of keeping their activations
             (non-reentrant ``torch.utils.checkpoint``): ``"full"`` (every transformer block: a Hugging Face model's
             ``_no_split_modules``, else the largest ``nn.ModuleList`` of one module type), ``"selective"`` (every
@@ -341,6 +340,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
     options)."""
     mesh_shape = dict(mesh.shape)
     units, blocks = options.pop("_chunk_units", None) or (None, None)  # a pipeline stage: the whole model's (plan_pipeline)
+    model_chunks = options.pop("_model_chunks", None) or {}  # a pipeline stage: its parameters' model chunks
     whole_model = options.pop("_whole_model", model)  # (a pipeline stage's: the model it was cut from)
     whole_sums = options.pop("_sum_grads", None)  # a pipeline stage: the whole model's partial-sum parameters
     opts = check_options(options, mesh_shape)
@@ -455,7 +455,7 @@ def plan_module(model: torch.nn.Module, mesh: Any, specs: Any = None, **options:
             tp_axis=axis,
             tp_dim=dim,
             tp_blocks=fused_blocks,
-            unit=units.get(names[0], names[0].rpartition(".")[0]),
+            unit=units.get(names[0], names[0].rpartition(".")[0]), model_chunks=model_chunks.get(names[0], (0,)),
         ))
     search = None
     if chunk_size is None:

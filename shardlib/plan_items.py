@@ -11,7 +11,7 @@ import torch
 from .chunking import Entry, pack
 from .spec import PartitionSpec, shard_range
 
-__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks", "pack_chunks", "plan_entries"]
+__all__ = ["ParamPlan", "ChunkPlan", "tp_pieces", "fused_blocks", "pack_chunks", "plan_entries", "model_chunks_of"]
 
 
 def fused_blocks(size: int, fused: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -89,6 +89,10 @@ class ParamPlan:
             one block (see :func:`tp_pieces`).
         unit: the module whose boundary the ZeRO chunks keep (its transformer block, else the
             module holding it; :mod:`shardlib.chunking`).
+        model_chunks: on a pipeline rank holding several model chunks (interleaved 1F1B, the V
+            schedules), the chunks (:class:`~shardlib.parallel.pipeline.Stage` order) whose layers
+            use the parameter under any of its names, ascending; its ZeRO chunk is packed with the
+            first one's parameters only. ``(0,)`` outside a pipeline.
     """
 
     name: str
@@ -103,6 +107,7 @@ class ParamPlan:
     tp_dim: int | None = None
     tp_blocks: tuple[int, ...] = ()
     unit: str = ""
+    model_chunks: tuple[int, ...] = (0,)
 
     @property
     def numel(self) -> int:
@@ -145,6 +150,10 @@ class ChunkPlan:
             chunk above; it stays gathered from its forward gather to the end of backward, as
             FSDP2 keeps the root module's parameters. Such a chunk holds that parameter only.
         units: the modules (:attr:`ParamPlan.unit`) whose parameters the chunk holds, in order.
+        model_chunk: the pipeline model chunk whose parameters the chunk holds (a ZeRO chunk
+            never spans two: a model chunk's forward or backward gathers its own chunks only);
+            0 outside a pipeline. used_by: the model chunks using any of them (a tied parameter
+            held by one and read by another too), ascending.
     """
 
     index: int
@@ -160,6 +169,8 @@ class ChunkPlan:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
+    model_chunk: int = 0
+    used_by: tuple[int, ...] = (0,)
 
     @property
     def shard_numel(self) -> int:
@@ -195,10 +206,12 @@ class ChunkPlan:
 def pack_chunks(plan) -> tuple[ChunkPlan, ...]:
     """The ZeRO chunks of ``plan`` on this rank: what :attr:`shardlib.plan.Plan.chunks` returns
     (:func:`shardlib.chunking.pack` of the parameters in registration order, at most
-    ``plan.chunk_size`` elements each, whole modules where they fit, a tied parameter alone;
-    padded to a multiple of the data-axis size)."""
+    ``plan.chunk_size`` elements each, whole modules where they fit, a tied parameter alone, one
+    pipeline model chunk's parameters apart from the others'; padded to a multiple of the
+    data-axis size)."""
     parts = plan.data_size
     chunks = pack(plan_entries(plan.params, dict(plan.mesh_shape), plan.coords()), plan.chunk_size)
+    used = {p.name: p.model_chunks for p in plan.params}
 
     def mixed(dtype: torch.dtype, option: torch.dtype | None) -> torch.dtype | None:
         return option if option is not None and dtype.is_floating_point and option != dtype else None
@@ -209,15 +222,42 @@ def pack_chunks(plan) -> tuple[ChunkPlan, ...]:
                   padded_numel=-(-max(c["numel"], 1) // parts) * parts, parts=parts, tp_sharded=c["group"][2],
                   compute_dtype=mixed(c["group"][0], plan.param_dtype),
                   reduce_dtype=mixed(c["group"][0], plan.reduce_dtype),
-                  reshard_after_forward=not c["tied"], units=tuple(c["units"]))
+                  reshard_after_forward=not c["tied"], units=tuple(c["units"]), model_chunk=c["group"][3],
+                  used_by=tuple(sorted({k for name in c["params"] for k in used[name]})))
         for i, c in enumerate(chunks)
     )
 
 
 def plan_entries(params, mesh_shape: dict[str, int], coords: dict[str, int]) -> list[Entry]:
     """``params`` (:class:`ParamPlan`) as :func:`shardlib.chunking.pack` takes them, at mesh
-    ``coords``."""
+    ``coords``: grouped by (dtype, trainable, split over a tensor axis, pipeline model chunk), each
+    model chunk's parameters after the previous one's (a stable sort: registration order within
+    it), so a model chunk's ZeRO chunks are consecutive and hold nothing of another's."""
     return [Entry(name=p.name, numel=int(np.prod(p.local_shape(mesh_shape, coords), dtype=np.int64)),
-                  group=(p.dtype, p.requires_grad, p.tp_axis is not None), unit=p.unit, tied=bool(p.aliases),
-                  itemsize=p.dtype.itemsize)
-            for p in params]
+                  group=(p.dtype, p.requires_grad, p.tp_axis is not None, p.model_chunks[0]), unit=p.unit,
+                  tied=bool(p.aliases), itemsize=p.dtype.itemsize)
+            for p in sorted(params, key=lambda p: p.model_chunks[0])]
+
+
+def model_chunks_of(chunk_paths: list[list[str]], names_of: list[list[str]]) -> dict[str, tuple[int, ...]]:
+    """``{canonical name: model chunks}`` (:attr:`ParamPlan.model_chunks`) of a pipeline rank.
+
+    Args:
+        chunk_paths: for each model chunk of the rank's
+            :class:`~shardlib.parallel.pipeline.Stage`, the module paths its layers use
+            (``Stage.chunk_paths``; a module several chunks use is in each list).
+        names_of: each parameter's names, the canonical one first (tied names after it).
+
+    Returns:
+        The chunks whose module paths hold one of the names, ascending (``(0,)`` when none do).
+
+    Example:
+        >>> model_chunks_of([["wte", "h.0"], ["h.3", "lm_head"]], [["wte.weight", "lm_head.weight"], ["h.3.w"]])
+        {'wte.weight': (0, 1), 'h.3.w': (1,)}
+    """
+    out = {}
+    for names in names_of:
+        found = {c for c, paths in enumerate(chunk_paths) for path in paths for name in names
+                 if name == path or name.startswith(path + ".")}
+        out[names[0]] = tuple(sorted(found)) or (0,)
+    return out

@@ -300,6 +300,7 @@ class PipelineModule(ShardedModule):
                 "every stage's microbatches by a schedule. Fix: smodel.forward_backward(x, criterion=loss_fn, labels=(y,)) to train, "
                 "smodel.evaluate(x, criterion=loss_fn, labels=(y,)) for losses (or return_outputs=True for the outputs) "
                 "without gradients")
+        self._zero.use_model_chunk(args[0])  # ZeRO-3 gathers that model chunk's chunks only (parallel/gather.py)
         return super().forward(*args, **kwargs)
 
     def forward_backward(self, x: torch.Tensor, criterion=None, labels: tuple = (), return_outputs: bool = False):

@@ -15,6 +15,12 @@ order, the same on every rank whatever the data does, so they pair up across ran
 run inside backward (activation checkpointing's recompute, reentrant or not) gathers its chunks
 that same backward way and frees none: they are freed once their gradients are complete.
 
+On a pipeline rank holding several model chunks (interleaved 1F1B, the V schedules) the
+schedule names the model chunk each action runs (:meth:`ParameterGathering.use_model_chunk`):
+the ascending and descending orders then run over that model chunk's ZeRO chunks only (consecutive,
+holding nothing of another model chunk: :func:`~shardlib.plan_items.plan_entries`), and a chunk
+of another model chunk it uses (a tied embedding the LM head reads) is gathered alone.
+
 A parameter read outside its own module's forward (a parent reading a child's parameter, as a
 tied head ``h @ self.emb.weight.t()`` does, or a ``ParameterList`` entry) is gathered on access
 (:meth:`ParameterGathering._on_access`): inside the sharded module's forward the forward way
@@ -50,7 +56,12 @@ class ParameterGathering:
         for chunk in self.chunks:
             chunk.free_storage()
             chunk.gathered = False
-        self._bwd_next = len(self.chunks) - 1
+        self._windows: dict[int, tuple[int, int]] = {}  # model chunk -> (first, last) of its ZeRO chunks
+        for chunk in self.chunks:
+            lo, hi = self._windows.get(chunk.plan.model_chunk, (chunk.index, chunk.index))
+            self._windows[chunk.plan.model_chunk] = (min(lo, chunk.index), max(hi, chunk.index))
+        self._lo, self._hi = 0, len(self.chunks) - 1  # the chunks the orders run over: all, or a model chunk's
+        self._bwd_next = self._hi
         self._fwd_next = 0
         self._module_chunks: dict[nn.Module, list[Chunk]] = {}
         self._static_uses = [0] * len(self.chunks)
@@ -69,6 +80,19 @@ class ParameterGathering:
         for chunk in self.chunks:
             for prm, _ in chunk.params:
                 set_on_access(prm, self._on_access)
+
+    def use_model_chunk(self, model_chunk: int | None) -> None:
+        """Run the next forward or backward for pipeline model chunk ``model_chunk`` of the stage
+        (its index in :class:`~shardlib.parallel.pipeline.Stage`; None: the whole module, as
+        outside a pipeline): the gathers' orders run over its ZeRO chunks only (see the module).
+        Called between actions, when no backward is under way; nothing below stage 3."""
+        if self.stage != 3:
+            return
+        if model_chunk is None:
+            self._lo, self._hi = 0, len(self.chunks) - 1
+        else:  # (a model chunk without parameters: an empty range)
+            self._lo, self._hi = self._windows.get(model_chunk, (0, -1))
+        self._fwd_next, self._bwd_next = self._lo, self._hi
 
     def module_chunks(self, module: nn.Module) -> list[Chunk]:
         """The chunks holding ``module``'s own parameters (not its submodules'), ascending."""
@@ -137,9 +161,10 @@ class ParameterGathering:
             return True
         if not self._in_forward:
             return False
-        for i in range(self._fwd_next, chunk.index + 1):  # the forward's ascending order, as _pre_forward
+        top = min(chunk.index, self._hi)  # (another model chunk's: gathered alone, below)
+        for i in range(self._fwd_next, top + 1):  # the forward's ascending order, as _pre_forward
             self._gather(self.chunks[i])
-        self._fwd_next = max(self._fwd_next, chunk.index + 1)
+        self._fwd_next = max(self._fwd_next, top + 1)
         self._gather(chunk)  # (freed after an earlier use in this forward)
         self._wait(chunk)
         self._accessed.add(chunk.index)
@@ -174,8 +199,8 @@ class ParameterGathering:
             for chunk in self.chunks:
                 self._free(chunk)
             self._uses = list(self._static_uses)
-            self._fwd_next = 0
-            self._bwd_next = len(self.chunks) - 1
+            self._fwd_next = self._lo
+            self._bwd_next = self._hi
             self._in_forward = True
             self._accessed = set()
 
@@ -192,7 +217,7 @@ class ParameterGathering:
         for chunk in self.chunks:
             if not (keep and (not chunk.plan.reshard_after_forward or chunk.index in self._accessed)):
                 self._free(chunk)
-        self._bwd_next = len(self.chunks) - 1
+        self._bwd_next = self._hi
 
     @eager
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -204,13 +229,13 @@ class ParameterGathering:
             for c in sorted(chunks, key=lambda c: -c.index):
                 self._backward_touch(c)
             return
-        top = max(c.index for c in chunks)
+        top = min(max(c.index for c in chunks), self._hi)  # (another model chunk's: gathered alone, below)
         for i in range(self._fwd_next, top + 1):
             self._gather(self.chunks[i])
         self._fwd_next = max(self._fwd_next, top + 1)
         for c in chunks:
             self._gather(c)  # a chunk freed earlier in this forward (a module called twice)
-        if self._fwd_next == top + 1 < len(self.chunks):  # prefetch the chunk after this module's, once
+        if self._fwd_next == top + 1 <= self._hi:  # prefetch the chunk after this module's, once
             self._gather(self.chunks[self._fwd_next])
             self._fwd_next += 1
         for c in chunks:
@@ -228,12 +253,14 @@ class ParameterGathering:
     def _backward_touch(self, chunk: Chunk) -> None:
         """Gather ``chunk`` (and every chunk above it not yet gathered) in backward order."""
         self._queue_callback()
+        mine = self._lo <= chunk.index <= self._hi  # else another model chunk's (a tied parameter): alone
         if not chunk.gathered:
-            for i in range(self._bwd_next, chunk.index - 1, -1):
-                self._gather(self.chunks[i])
-            self._bwd_next = min(self._bwd_next, chunk.index - 1)
+            if mine:
+                for i in range(self._bwd_next, chunk.index - 1, -1):
+                    self._gather(self.chunks[i])
+                self._bwd_next = min(self._bwd_next, chunk.index - 1)
             self._gather(chunk)
-        if self._bwd_next == chunk.index - 1 >= 0:  # prefetch the chunk below this one, once
+        if mine and self._bwd_next == chunk.index - 1 >= self._lo:  # prefetch the chunk below this one, once
             self._gather(self.chunks[self._bwd_next])
             self._bwd_next -= 1
         self._wait(chunk)

@@ -309,8 +309,7 @@ class PipelineRunner:
         ys = [y.chunk(m) for y in labels]
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], Any] = {}
-        losses: list = [None] * m
-        outs: list = [None] * m
+        losses, outs = [None] * m, [None] * m  # per microbatch (the last stage's rank fills them)
         transfers = self.transfers
         transfers.begin(tag, backward)
         inbox = transfers.inbox  # receive buffers by message (valid once waited for)
@@ -343,6 +342,7 @@ class PipelineRunner:
                     continue
                 a = actions[ins.index]
                 mb = a.microbatch
+                zero.use_model_chunk(self.chunk_of[a.stage])  # ZeRO-3 gathers that model chunk's chunks only
                 if a.kind == "F":
                     if a.stage == 0:
                         inp = xs[mb]

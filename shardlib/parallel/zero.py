@@ -312,7 +312,7 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
         if self.stage == 3:
             for chunk in self.chunks:
                 self._free(chunk)
-            self._bwd_next = len(self.chunks) - 1
+            self._bwd_next = self._hi
 
     @eager
     def _end_backward(self) -> None:
