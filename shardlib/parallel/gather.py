@@ -109,7 +109,7 @@ class ParameterGathering:
             chunk.gather_handle = raw_all_gather(chunk.full, src, self.mesh, self.axes, async_op=True,
                                                  note=f"chunk {chunk.index}")
         chunk.gathered = True
-        self._storage_ptr[chunk.full.untyped_storage().data_ptr()] = chunk
+        self._storage_ptr[_storage_key(chunk.full)] = chunk
 
     def _gather_offloaded(self, chunk: Chunk) -> None:
         """Gather a chunk whose shard is in host memory (``offload_param_frac``): the shard is
@@ -174,7 +174,7 @@ class ParameterGathering:
         if not chunk.gathered or self.stage != 3:
             return
         self._wait(chunk)
-        self._storage_ptr.pop(chunk.full.untyped_storage().data_ptr(), None)
+        self._storage_ptr.pop(_storage_key(chunk.full), None)
         chunk.free_storage()
         chunk.gathered = False
 
@@ -267,11 +267,12 @@ class ParameterGathering:
 
     @eager
     def pack(self, t: torch.Tensor):
-        if self.stage != 3 or t.device.type == "meta":
+        if self.stage != 3:
             return t
-        chunk = self._storage_ptr.get(t.untyped_storage().data_ptr())
+        chunk = self._storage_ptr.get(_storage_key(t))
         if chunk is None or t.untyped_storage().nbytes() == 0:
-            return keep(t)  # with its version: hooks skip autograd's in-place check (see .saved)
+            # with its version: hooks skip autograd's in-place check (see .saved); a dry run's meta tensor as it is
+            return t if t.device.type == "meta" else keep(t)
         return (_SavedChunkView, chunk, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
     @eager
@@ -282,6 +283,14 @@ class ParameterGathering:
             base = chunk.full if chunk.full.dtype == dtype else chunk.full.view(dtype)
             return base.as_strided(shape, stride, offset)
         return take(packed) if isinstance(packed, Saved) else packed
+
+
+def _storage_key(t: torch.Tensor):
+    """What identifies ``t``'s storage among the gathered chunks': its address, or on the meta
+    device (a dry run), where every address is 0, the storage object itself (``_cdata``), so a
+    dry run rebuilds saved parameter views from their chunks, and gathers for them, as a real run."""
+    storage = t.untyped_storage()
+    return ("meta", storage._cdata) if t.device.type == "meta" else storage.data_ptr()
 
 
 class _SavedChunkView:
