@@ -104,6 +104,11 @@ CASES = {
     "llama_dp_tp": ("llama", {"dp": 4, "tp": 2}, 5, dict(zero_stage=3, dtype="bf16")),
     "llama_pp_dp_tp": ("llama", {"pp": 2, "dp": 2, "tp": 2}, 7, dict(zero_stage=1, microbatches=4, schedule="1f1b")),
     "gpt_pp_tied": ("gpt", {"pp": 2, "dp": 4}, 1, dict(zero_stage=3, microbatches=2, schedule="gpipe")),
+    # two model chunks per rank at ZeRO-3: each gathers its own chunks in its forward and backward (interleaved),
+    # and in its I and again in its W on the V's rank 0, whose head reads the tied embedding of its other chunk
+    "gpt_interleaved_zero3": ("gpt", {"pp": 2, "dp": 2}, 3, dict(zero_stage=3, microbatches=2,
+                                                                 schedule="interleaved_1f1b")),
+    "gpt_zbv_zero3": ("gpt", {"pp": 2, "dp": 2}, 0, dict(zero_stage=3, microbatches=2, schedule="zbv")),
 }
 
 

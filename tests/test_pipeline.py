@@ -49,11 +49,20 @@ def _pipeline_steps(mesh, layers, options, rows, clip):
     smodel = shardlib.shard(GPT(_config(layers)).to(dtype), mesh, specs, chunk_size=400, **options)
     opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-3, max_grad_norm=clip)
     out = {"records": []}
-    for x in _batches(rows):
+    for step, x in enumerate(_batches(rows)):
         xl = shardlib.distribute(x, mesh, smodel.batch_spec)
+        tables = [mesh.comm.table()]
         losses, _ = smodel.forward_backward(xl[:, :-1], criterion=ce, labels=(xl[:, 1:],))
+        tables.append(mesh.comm.table())
         grads = shardlib.full_grads(smodel)
+        tables.append(mesh.comm.table())
         opt.step()
+        if step == 0:  # the step's collectives over dp (forward_backward and the optimizer's, not full_grads'), planned
+            tables.append(mesh.comm.table())
+            out["dp_comm"] = _dp_between(tables)
+            # (the clipping norm's all-reduce runs over dp+pp, outside this table: the stage plan has no pp term for it)
+            out["dp_planned"] = {key: value for key, value in smodel.plan.comm_per_step(
+                micro_steps=smodel.pipeline_plan.m).items() if key[0] == "dp"}
         out["records"].append({"loss": torch.stack(losses).mean().item() if losses is not None else None,
                                "grads": grads, "params": shardlib.full_state_dict(smodel),
                                "norm": None if opt.last_grad_norm is None else opt.last_grad_norm.item()})
@@ -63,6 +72,20 @@ def _pipeline_steps(mesh, layers, options, rows, clip):
     out["sent"] = mesh.comm.bytes(smodel.pp_axis, "send") / max(mesh.comm.calls(smodel.pp_axis, "send"), 1)
     out["timeline"] = smodel.timeline
     return out
+
+
+def _dp_between(tables):
+    """``{(axis, kind): (calls, bytes)}`` over ``dp`` counted from ``tables[0]`` to ``tables[1]``,
+    plus from ``tables[2]`` to ``tables[3]`` (``mesh.comm.table()`` snapshots; the byte counts here
+    are whole numbers, exact in a float)."""
+    out = {}
+    for start, end in ((tables[0], tables[1]), (tables[2], tables[3])):
+        for key, (calls, nbytes) in end.items():
+            if key[0] == "dp":
+                calls0, bytes0 = start.get(key, (0, 0.0))
+                total = out.get(key, (0, 0.0))
+                out[key] = (total[0] + calls - calls0, total[1] + nbytes - bytes0)
+    return {key: value for key, value in sorted(out.items()) if value[0]}
 
 
 def _reference_run(layers, rows, clip, dtype=torch.float32):
@@ -93,6 +116,9 @@ def _check(shape, layers, options, rows=8, clip=None):
         compare_records(got, ref, bands, default_tolerances(dtype))
     if "tie" not in options:  # tied copies on the first and last stage stay identical
         torch.testing.assert_close(results[0]["params"]["wte.weight"], results[0]["params"]["lm_head.weight"])
+    for rank, r in enumerate(results):  # counted over dp in the first step: what the rank's stage plan predicts
+        assert r["dp_comm"] == r["dp_planned"], (rank, r["dp_comm"], r["dp_planned"])
+        assert bool(r["dp_comm"]) == ("dp" in shape), (rank, r["dp_comm"])
     return results
 
 
@@ -133,11 +159,15 @@ def test_pipeline_equals_single_process_on_the_native_path(shape, layers, option
     _check(shape, layers, {**options, "native": True})
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_pipeline_with_data_parallel_zero3_and_clipping(native):
+@pytest.mark.parametrize("schedule,native", [("1f1b", False), ("interleaved_1f1b", True)])
+def test_pipeline_with_data_parallel_zero3_and_clipping(schedule, native):
     """pp2 x dp2: ZeRO-3 on dp inside each stage, the tied embedding summed over pp, the global
-    norm counting every element once across pp and dp (both transfer paths)."""
-    _check({"pp": 2, "dp": 2}, 4, {"schedule": "1f1b", "microbatches": 2, "zero_stage": 3, "native": native}, clip=0.05)
+    norm counting every element once across pp and dp (both transfer paths). Interleaved: each
+    rank's two model chunks have ZeRO chunks of their own, and a step gathers each once per
+    forward and once per backward of its model chunk, as the stage plan counts (_check; it
+    gathered every chunk of the rank for each, twice the bytes, before the split)."""
+    _check({"pp": 2, "dp": 2}, 4, {"schedule": schedule, "microbatches": 2, "zero_stage": 3, "native": native},
+           clip=0.05)
 
 
 def test_pipeline_x_data_x_tensor_parallel_on_8_ranks():

@@ -44,7 +44,8 @@ def test_zero_bubble_schedule_equals_single_process(schedule, m):
 @pytest.mark.parametrize("schedule,m,native", [(name, m, False) for name, m in SCHEDULES] + [("zbv", 2, True)])
 def test_zero_bubble_with_zero3_and_clipping(schedule, m, native):
     """pp2 x dp2 at ZeRO-3: chunks gathered for I and again for W (one backward for ZeRO:
-    ZeroRuntime.one_backward), reduced once after the step's last W; the clipped global norm;
+    ZeroRuntime.one_backward), reduced once after the step's last W, each model chunk's own ZeRO
+    chunks only (the counted all-gathers equal the stage plan's, checked in _check); the clipped global norm;
     the NCCL-style transfers (tag 0, one work per batch) forced on gloo too (ZB-V: the V's
     boundaries, one of them in memory; zb_h1 and dualpipev take it in the no_sync test)."""
     _check({"pp": 2, "dp": 2}, 4, {"schedule": schedule, "microbatches": m, "zero_stage": 3, "native": native},
