@@ -5,7 +5,8 @@ Dynamic Memory Management", IEEE TPDS 2022): parameters consecutive in execution
 (registration order) share a chunk, and a chunk holds whole modules, so a transformer block is
 gathered by one all-gather, freed by one free, and recomputing it in backward needs no second
 gather. The packing (:func:`pack`) keeps one open chunk per group (dtype, trainable, split over a
-tensor axis) and starts a new one when the next *unit* does not fit whole; a unit is a
+tensor axis, pipeline model chunk: :func:`~shardlib.plan_items.plan_entries`, so a model chunk's
+forward gathers nothing of another's) and starts a new one when the next *unit* does not fit whole; a unit is a
 transformer block (:func:`~shardlib.parallel.recompute.find_blocks`), else the module that holds
 the parameter. A unit larger than the chunk size is split at parameter boundaries (a parameter
 larger than it gets a chunk of its own). A tied parameter (an embedding shared with the LM head)
@@ -41,7 +42,7 @@ _MAX_CANDIDATES = 64  # sizes evaluated (geometrically spaced when there are mor
 @dataclass(frozen=True)
 class Entry:
     """One parameter as the packing sees it: canonical name, elements on this rank (tensor-
-    parallel local), group (dtype, trainable, split over a tensor axis), unit (the module path
+    parallel local), group (dtype, trainable, split over a tensor axis, pipeline model chunk), unit (the module path
     whose boundary a chunk keeps), tied (a parameter under several names)."""
 
     name: str

@@ -86,12 +86,12 @@ class Plan(PlanBytes):
     def chunks(self) -> tuple["ChunkPlan", ...]:
         """ZeRO chunks of this rank's (tensor-parallel local) parameters.
 
-        Registration order; one open chunk per (dtype, trainable, split over a tensor axis) of at
-        most ``chunk_size`` elements holding whole units (transformer blocks, else modules) where
-        they fit, a larger unit split at parameters and a larger parameter alone; a tied
-        parameter alone; padded to a multiple of the data-axis size
-        (:func:`shardlib.chunking.pack`). Ranks that differ only in data coordinates get
-        identical chunks.
+        Registration order (a pipeline rank's model chunks one after the other); one open chunk per
+        (dtype, trainable, split over a tensor axis, pipeline model chunk) of at most ``chunk_size``
+        elements holding whole units (transformer blocks, else modules) where they fit, a larger unit
+        split at parameters and a larger parameter alone; a tied parameter alone; padded to a multiple
+        of the data-axis size (:func:`shardlib.chunking.pack`). Ranks that differ only in data
+        coordinates get identical chunks.
         """
         return pack_chunks(self)
 

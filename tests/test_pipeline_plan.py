@@ -67,6 +67,15 @@ def test_plan_on_abstract_mesh_is_what_shard_applies(zero_stage):
     assert sum(s.param_bytes for s in pplan.stages) < 1.2 * whole.param_bytes
 
 
+def test_stage_comm_counts_whole_schedule_runs():
+    """A ZeRO-3 stage plan counts its schedule's gathers, so a step's microbatches must be whole
+    runs of it: 3 of a 2-microbatch schedule are refused with the fix named, on an abstract mesh."""
+    stage = shardlib.plan(_gpt(), PP2_DP2, schedule="zbv", microbatches=2, zero_stage=3).stages[0]
+    with pytest.raises(ValueError, match=r"comm_per_step\(micro_steps=3\) of a pipeline stage: .* a positive multiple "
+                                         r"of 2. Fix: micro_steps=2 for one forward_backward"):
+        stage.comm_per_step(micro_steps=3)
+
+
 def test_pipeline_plan_explain():
     pplan = shardlib.plan(_gpt(), PP2_DP2, schedule="1f1b", microbatches=4, zero_stage=1)
     text = pplan.explain()
