@@ -67,7 +67,7 @@ def begin(mesh: Mesh, names: tuple[str, ...], kind: str, t: torch.Tensor, channe
     label = trace.label(mesh, mesh.group_axes(names), channel)  # one label per group, whatever the axis order
     rec = trace.record(kind, label, t.shape, t.dtype, note)
     verify = None
-    if trace.compare and kind not in ("send", "recv") and mesh.backend != "fake":  # a fake group gathers no fingerprints
+    if trace.compare and kind not in ("send", "recv") and mesh.backend != "fake":  # (a fake group gathers nothing)
         verify = _check(mesh, names, channel, kind, t, extra, rec)
         if not async_op or channel == 0:
             verify()
