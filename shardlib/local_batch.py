@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from .errors import ShardingError
+from .mesh.eager import eager
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 
+@eager  # under torch.compile: one graph break, not a compiled frame for each of its own breaks
 def check_local_batch(plan: Plan, args: tuple, kwargs: dict, training: bool, where: str = "forward") -> None:
     """Check mode (see :meth:`ShardedModule.forward`): the first tensor argument of at least one
     dimension has as many rows on every data rank (a training forward), and every tensor argument

@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from .errors import ShardingError
@@ -132,6 +133,8 @@ def _refuse_new_parameter(module: nn.Module, name: str, param: Any) -> None:
     Raises:
         ShardingError: naming the module class, the attribute, the shard() call, and the fix.
     """
+    if torch.compiler.is_compiling():  # (see _refuse_new_module)
+        return None
     seen = None if _busy else _lowered(module)
     if seen is None or (param is not None and module._parameters.get(name) is param):
         return None
@@ -156,6 +159,8 @@ def _refuse_new_module(module: nn.Module, name: str, submodule: Any) -> None:
     Raises:
         ShardingError: naming the new module's parameters and the shard() call.
     """
+    if torch.compiler.is_compiling():  # not traced: Dynamo would wrap _LOWERED, which weakref callbacks change at
+        return None  # any garbage collection ("dictionary changed size during iteration", tracing LLaMA's layers[:n])
     seen = None if _busy or not isinstance(submodule, nn.Module) else _lowered(module)
     if seen is None:
         return None

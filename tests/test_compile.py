@@ -177,14 +177,21 @@ def _trace_worker():
         lm_loss(model(x), y).backward()
         return [tuple(r[k] for k in fields) for r in mesh.trace.records(mesh.trace.seq - before)]
 
-    return step(smodel), step(torch.compile(smodel, backend="aot_eager"))
+    plain, compiled = step(smodel), step(torch.compile(smodel, backend="aot_eager"))
+    from torch._dynamo.convert_frame import input_codes  # (not public: the code objects Dynamo was given)
+
+    return plain, compiled, {code().co_filename.rpartition("/")[2] for code in input_codes.seen if code() is not None}
 
 
 def test_collective_trace_under_compile_is_the_eager_trace():
     """The collective trace records the collectives of a compiled step as those of an eager step:
-    the same kinds, groups, shapes, library call sites and user frames, in the same order."""
-    for plain, compiled in run_on(2, _trace_worker):
+    the same kinds, groups, shapes, library call sites and user frames, in the same order. Check
+    mode's look at the batch is not compiled."""
+    for plain, compiled, traced in run_on(2, _trace_worker):
         assert compiled == plain
+        # check mode's batch check runs eagerly, as one graph break: at 4ea0ece Dynamo compiled its
+        # frames one by one (12 frames, 5 more graphs than without check mode)
+        assert "local_batch.py" not in traced and "shard.py" in traced, traced
         step = [r for r in plain if not r[4].startswith("check:")]  # check mode's own (the batch's checksum)
         kinds = [r[0] for r in step]
         assert kinds.count("all_reduce") == 6 and kinds.count("all_gather") == 1, kinds  # TP forward and backward
