@@ -37,8 +37,8 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
     model chunk a forward and a backward, an input-gradient and a weight-gradient pass).
 
     Raises:
-        ValueError: a pipeline stage under ZeRO-3 over several data ranks, and ``micro_steps``
-            not a multiple of its schedule's microbatches.
+        ValueError: a pipeline stage under ZeRO-3, and ``micro_steps`` not a positive multiple
+            of its schedule's microbatches.
     """
     n = plan.data_size
     out: dict[tuple[str, str], list] = {}
@@ -81,7 +81,7 @@ def comm_per_step(plan, micro_steps: int = 1, clip: bool = False, tokens: int | 
             raise ValueError(f"comm_per_step(micro_steps={micro_steps}) of a pipeline stage: a step runs the schedule "
                              f"on {plan.pipeline.m} microbatches at a time, so micro_steps must be a positive multiple "
                              f"of {plan.pipeline.m}. Fix: micro_steps={plan.pipeline.m} for one forward_backward")
-        gathers = [n * runs for n in zero3_gathers(plan)]
+        gathers = [per_run * runs for per_run in zero3_gathers(plan)]  # (n stays the data size)
     for c in plan.chunks:
         if plan.zero_stage == 0:
             if c.requires_grad:
