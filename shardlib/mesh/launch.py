@@ -25,9 +25,8 @@ import traceback
 from multiprocessing.connection import wait as _wait_conns
 from typing import Any, Callable
 
-import cloudpickle
-
 from ..errors import WorkerError
+from . import transport
 from .peers import proc_status
 
 __all__ = ["launch", "WorkerGroup"]
@@ -164,7 +163,7 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn,
         try:
             signal.signal(signal.SIGINT, task_sigint)
             try:
-                fn, args, kwargs, path = cloudpickle.loads(msg)
+                fn, args, kwargs, path = transport.loads(msg)
                 for p in path:
                     if p not in sys.path:
                         sys.path.append(p)
@@ -172,7 +171,7 @@ def _worker_main(rank: int, world: int, store_path: str, timeout_s: float, conn,
             finally:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             trace.set_status("returned")
-            reply = ("ok", cloudpickle.dumps(result))
+            reply = ("ok", transport.dumps(result))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent with the traceback
             trace.set_status(f"raised {type(exc).__name__}")
             reply = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
@@ -269,7 +268,7 @@ class WorkerGroup:
         if self._running:
             raise RuntimeError("a run started on this WorkerGroup was not collected: call the function start() "
                                "returned before starting another")
-        payload = cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
+        payload = transport.dumps((fn, args, kwargs, list(sys.path)))
         for conn in self._conns:
             conn.send(payload)
         self._running = True
@@ -327,7 +326,7 @@ class WorkerGroup:
                     continue
                 del pending[rank]
                 if kind == "ok":
-                    results[rank] = cloudpickle.loads(value)
+                    results[rank] = transport.loads(value)
                 elif kind == "ready":
                     results[rank] = None
                 else:
