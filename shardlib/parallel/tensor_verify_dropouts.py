@@ -8,7 +8,6 @@ refused at ``shard()`` time by :func:`refuse_split_dropouts`, part of the verifi
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +26,8 @@ def refuse_split_dropouts(ref: nn.Module, mini: SimpleNamespace, order: list[str
     """Refuse dropout between a column layer and its row layer in the verified unit ``ref``.
 
     Args:
-        ref: the unit's unsharded working copy (in eval mode; left so).
+        ref: a throwaway copy of the unit's unsharded working copy (in eval mode; left so): its
+            forward runs in training mode, which may change its buffers.
         mini: the unit's plan (``tp_layers``).
         order: module paths in the order the reference forward entered them.
         forward: ``forward(module)`` runs a module on the unit's inputs.
@@ -46,7 +46,7 @@ def refuse_split_dropouts(ref: nn.Module, mini: SimpleNamespace, order: list[str
             "shardlib's mesh-independent dropout draws masks by batch and sequence position, not by the split feature, so "
             "every rank would drop the same local features, unlike one device. Fix: set their p to 0, or leave that "
             "projection pair replicated")
-    calls = _split_functional_dropouts(copy.deepcopy(ref), mini, forward)
+    calls = _split_functional_dropouts(ref, mini, forward)
     if calls:
         raise ShardingError(
             f"shard(verify=True): in {where}, in a training forward, "
