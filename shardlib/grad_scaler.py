@@ -120,11 +120,13 @@ class GradScaler:
             )
         inv = self._scale.double().reciprocal().float()
         mesh = getattr(getattr(optimizer, "smodel", None), "mesh", None)
-        finite = [torch.isfinite(g).all() for g in grads if g.numel()]  # on the gradients' device: no sync yet
         # on the mesh's device for the collective, also on a rank holding no gradient (a pipeline
-        # stage of frozen parameters): NCCL rejects the CPU tensor torch.zeros(1) would be
-        found = ((~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)).to(
-            mesh.device if mesh is not None else None)
+        # stage of frozen parameters): NCCL rejects the CPU tensor torch.zeros(1) would be; each flag
+        # moved there before the stack, which takes one device (with offload_param_frac < 1 some shards'
+        # gradients are in host memory, the others on the GPU); no host sync yet
+        dev = mesh.device if mesh is not None else grads[0].device if grads else None
+        finite = [torch.isfinite(g).all().to(dev) for g in grads if g.numel()]
+        found = ((~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)).to(dev)
         for g in grads:
             g.mul_(inv.to(device=g.device, dtype=g.dtype))
         if mesh is not None and mesh.size() > 1:

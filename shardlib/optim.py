@@ -118,8 +118,11 @@ def clip_grad_norm_(smodel: Any, max_norm: float, norm_type: float = 2.0) -> tor
         # dtype); not in torch's default dtype, which float32 gradients of a float64 default left
         # in float32 precision while the statistic went out as 8 bytes
         acc = functools.reduce(torch.promote_types, (c.dtype for c in kinds), torch.float32)
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max().to(acc) for g in grads if g.numel()] or [torch.zeros((), dtype=acc)]).max()
+        if math.isinf(norm_type):  # each on the mesh's device: with offload_param_frac < 1 some shards' gradients are
+            # in host memory and some on the GPU, and torch.stack takes one device
+            dev = zero.mesh.device
+            local = torch.stack([g.abs().max().to(dev, acc) for g in grads if g.numel()]
+                                or [torch.zeros((), dtype=acc, device=dev)]).max()
         else:
             local = sum((g.to(acc).abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=acc))
             for prm in duplicates:  # counted on the stage that holds the first copy

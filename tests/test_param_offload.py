@@ -6,6 +6,8 @@ and device are one, so what the tests show is the path: the separate host shard,
 and in-place all-gather, the reduction into a device temporary copied out, the norm and clip
 over mixed storage, each equal to a single process."""
 
+import math
+
 import pytest
 import torch
 
@@ -179,3 +181,36 @@ def test_with_optimizer_offload_an_offloaded_shard_is_not_copied_again():
         assert n_off > 0 and copied == 0 and host == planned, (n_off, copied, host, planned)
     assert_equivalent(_make, {"dp": 2}, None, _batch(), steps=2, zero_stage=3, offload_param_frac=0.5,
                       optimizer_offload=True, chunk_size=CHUNK)
+
+
+def _scaler_and_max_norm_worker():
+    mesh = shardlib.init_mesh({"dp": 2})
+    out = {}
+    for frac in (0.0, 0.5):
+        found, norms = [], []
+        for init_scale in (2.0**8, 2.0**40):  # the second overflows fp16: every rank must find the inf
+            torch.manual_seed(0)
+            smodel = shardlib.shard(_make(), mesh, zero_stage=3, offload_param_frac=frac, chunk_size=CHUNK,
+                                    param_dtype=torch.float16)
+            opt = shardlib.ZeroOptimizer(smodel, torch.optim.AdamW, lr=1e-2)
+            scaler = shardlib.GradScaler(init_scale=init_scale)
+            x, y = (shardlib.distribute(t, mesh, shardlib.P("dp")) for t in _batch())
+            scaler.scale(smodel(x, y)[1]).backward()
+            scaler.unscale_(opt)
+            found.append(scaler._per_optimizer[id(opt)]["found_inf"])
+            norms.append(float(shardlib.clip_grad_norm_(smodel, 1.0, norm_type=math.inf)))
+        out[frac] = {"found_inf": found, "max_norm": norms, "offloaded": len(smodel.plan.offloaded_chunks)}
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_max_norm_and_the_scalers_inf_check_over_partly_offloaded_shards():
+    """Both stack one statistic per gradient shard: with offload_param_frac=0.5 on CUDA some are in
+    host memory and some on the GPU, and torch.stack refuses two devices (found by review, not
+    run on a GPU). Here host and device are one, so this shows the path: at frac 0.5 the inf check
+    and the inf-norm equal those of frac 0, for a finite step and an fp16 overflow."""
+    for out in run_on(2, _scaler_and_max_norm_worker):
+        assert out[0.5]["offloaded"] > 0
+        assert out[0.0]["found_inf"] == out[0.5]["found_inf"] == [False, True]
+        assert out[0.0]["max_norm"][0] == out[0.5]["max_norm"][0] and math.isfinite(out[0.5]["max_norm"][0])
+        assert not math.isfinite(out[0.0]["max_norm"][1]) and not math.isfinite(out[0.5]["max_norm"][1])
