@@ -467,10 +467,10 @@ class _Deep(torch.nn.Module):
 
 @pytest.mark.parametrize("frozen", [False, True])
 def test_stage0_no_sync_first_gradient_points_the_others_at_their_views(monkeypatch, frozen):
-    """Stage 0 inside no_sync(): the backward's first gradient hook points every other parameter
-    that this backward reaches at its view (zeroed) and silences its hook, so one Python hook runs
-    per backward instead of one per parameter (8 parameters: 1 call, not 6 or 8); autograd then
-    adds into the views in place. A parameter the backward does not reach (``skip`` in the first
+    """Stage 0 inside no_sync(): a chunk's first gradient hook in a backward points every other
+    parameter of that chunk that this backward reaches at its view (zeroed) and silences its hook,
+    so one Python hook runs per chunk and backward instead of one per parameter (8 parameters: 1
+    or 2 calls, not 6 or 8); autograd then adds into the views in place. A parameter the backward does not reach (``skip`` in the first
     backward) keeps ``.grad`` None and its hook, as in plain PyTorch, and adopts its first gradient
     later; a frozen one gets nothing. Gradients equal plain PyTorch's sums bit for bit (0 + g is g)."""
     from shardlib.parallel.zero import ZeroRuntime
@@ -502,7 +502,9 @@ def test_stage0_no_sync_first_gradient_points_the_others_at_their_views(monkeypa
             ref(xs[i], uses[i]).backward()
             smodel(xs[i], uses[i]).backward()
             if i == 0:
-                assert len(calls) == 1  # the first gradient's hook; the other reached ones were pointed
+                reached = {id(smodel._zero.param_chunk[id(named[n])]) for n in trainable if n.startswith("layers")}
+                assert len(reached) == 1 + frozen  # (the frozen weight splits the trainable ones into two chunks)
+                assert len(calls) == len(reached)  # each chunk's first gradient's hook; the others were pointed
                 views = smodel._zero._grad_views
                 for n in trainable:
                     if n.startswith("layers"):
@@ -522,6 +524,46 @@ def test_stage0_no_sync_first_gradient_points_the_others_at_their_views(monkeypa
             assert torch.equal(named[name].grad, p.grad), name
         else:
             assert named[name].grad is None
+
+
+def test_stage0_no_sync_allocates_each_chunks_gradients_when_backward_reaches_it(monkeypatch):
+    """Stage 0 inside no_sync() (every pipeline step): each chunk's gradient buffer is allocated
+    when the backward reaches that chunk, not every chunk's at the backward's first gradient, so
+    it can take memory the activations behind it freed (as plain PyTorch's ``.grad`` tensors
+    do). Here one chunk per linear: when the last linear's chunk gets its buffer the first
+    linear's has none yet; the gradients still equal plain PyTorch's bit for bit."""
+    from shardlib.parallel.chunk import Chunk
+
+    mesh = shardlib.init_mesh({"dp": 1})
+    torch.manual_seed(0)
+    ref = _Deep()
+    torch.manual_seed(0)
+    model = _Deep()
+    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=80)
+    chunks = smodel._zero.chunks
+    first, last = (smodel._zero.param_chunk[id(model.layers[i].weight)] for i in (0, 4))
+    assert first is not last
+    seen = []
+    original = Chunk.fill_grad_views
+    def recorded(self):
+        seen.append((self.index, [c.grad_full is not None for c in chunks]))
+        original(self)
+
+    monkeypatch.setattr(Chunk, "fill_grad_views", recorded)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    with smodel.no_sync():
+        for _ in range(2):
+            ref(x, False).backward()
+            smodel(x, False).backward()
+    order = [i for i, _ in seen]
+    assert order.index(last.index) < order.index(first.index)
+    allocated_then = dict(seen)[last.index]
+    assert not allocated_then[first.index]  # the first linear's buffer did not exist yet
+    smodel._zero.sync_grads()
+    got = shardlib.full_grads(smodel)
+    for name, p in ref.named_parameters():
+        if name.startswith("layers"):
+            assert torch.equal(got[name], p.grad), name
 
 
 def _stage0_branchy():

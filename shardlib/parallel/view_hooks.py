@@ -5,9 +5,10 @@ gradient is adopted (``prm.grad`` is the view): autograd then adds into the view
 costs the autograd engine a Python call per parameter and backward (about 4 µs, m per step in a
 pipeline), so :class:`ViewHooks` removes it once ``.grad`` is the view, and registers it again
 when sync resumes or ``zero_grad`` makes the gradients None (DDP's ``gradient_as_bucket_view``
-accumulates in place the same way, from C++). The first hook of a ``no_sync()`` backward points
-every other parameter that backward reaches at its zeroed view at once (:meth:`ViewHooks.point_ahead`),
-so a window's first backward also runs one hook, not one per parameter.
+accumulates in place the same way, from C++). The first hook of each chunk in a ``no_sync()`` backward
+points every other parameter of the chunk that the backward reaches at its zeroed view
+(:meth:`ViewHooks.point_ahead`), so a window's first backward runs one hook per chunk, not one per
+parameter.
 """
 
 from __future__ import annotations
@@ -80,33 +81,35 @@ class ViewHooks:
         if id(prm) not in self._nodes:
             self._nodes[id(prm)] = get_gradient_edge(prm).node
 
-    def point_ahead(self) -> None:
-        """The first gradient of a ``no_sync()`` backward: every other parameter whose hook is
-        registered, whose ``.grad`` is None and whose gradient this backward computes (its
-        ``AccumulateGrad`` node runs in it: ``torch._C._will_engine_execute_node``, as torch's
-        ``register_multi_grad_hook`` asks) gets its view as ``.grad`` now and its hook removed
-        (silenced), so autograd adds this window's gradients into the view in place without a
-        Python call per parameter and backward (DDP's ``gradient_as_bucket_view`` does the same
-        from C++). Each chunk concerned is first zeroed where no gradient was written yet, in one
-        pass (:meth:`~.chunk.Chunk.settle_full`). A parameter this backward does not reach keeps
-        ``.grad`` None and its hook, as in plain PyTorch.
+    def point_ahead(self, chunk) -> None:
+        """A gradient of ``chunk`` adopted inside ``no_sync()``: every other parameter of the
+        chunk whose hook is registered, whose ``.grad`` is None and whose gradient this backward
+        computes (its ``AccumulateGrad`` node runs in it: ``torch._C._will_engine_execute_node``,
+        as torch's ``register_multi_grad_hook`` asks) gets its view as ``.grad`` now and its hook
+        removed (silenced), so autograd adds this window's gradients into the view in place without
+        a Python call per parameter and backward (DDP's ``gradient_as_bucket_view`` does the same
+        from C++). The chunk is first zeroed where no gradient was written yet, in one pass
+        (:meth:`~.chunk.Chunk.settle_full`). A parameter this backward does not reach keeps
+        ``.grad`` None and its hook, as in plain PyTorch. Nothing to do (the chunk was pointed
+        already) costs a loop over the chunk's parameters.
+
+        Per chunk, not for every chunk at the backward's first gradient: each chunk's gradient
+        buffer is then allocated when the backward reaches the chunk, after the activations
+        behind it were freed, as plain PyTorch's ``.grad`` tensors are. All at once, a pipeline
+        stage's buffers (three 7.1 MB chunks of the 10.8M GPT's stage) were new memory every
+        step, and the CPU page-faulted them in: 8117-10580 minor faults a step against 5164 for
+        torch's pipelining alone, 6344-7411 per chunk (``benchmarks/README.md``, 2026-12-08).
 
         Measured on the 0.4M GPT's pipeline stage (18 parameters, 2 gloo ranks): the first
         backward of a step took 1.1 ms longer than torch's with a hook per parameter adopting its
         gradient (slice, view, copy, bookkeeping: about 35 µs each on the CPU)."""
-        views, will_run = self._views, torch._C._will_engine_execute_node
-        todo = []
-        for key in self._handles:
-            prm = views.param(key)
-            if prm.grad is None and prm.requires_grad and will_run(self._nodes[key]):
-                todo.append((key, prm))
-        settled = set()
+        views, will_run, handles = self._views, torch._C._will_engine_execute_node, self._handles
+        todo = [(id(prm), prm) for prm, _ in chunk.params
+                if id(prm) in handles and prm.grad is None and prm.requires_grad and will_run(self._nodes[id(prm)])]
+        if todo:
+            chunk.fill_grad_views()
+            chunk.settle_full()
         for key, prm in todo:
-            chunk = views.chunk(key)
-            if id(chunk) not in settled:
-                settled.add(id(chunk))
-                chunk.fill_grad_views()
-                chunk.settle_full()
             prm.grad = views[key]
             self._handles.pop(key).remove()
             self.silenced.append(prm)
