@@ -7,7 +7,8 @@ reference :class:`~shardlib.models.GPT` built from the same seed, fed the same b
 sides alike. A step is forward, backward and the optimizer step; its time is the slowest rank's
 (``time.perf_counter`` around the step, after a barrier), and the figure reported is the median
 over ``steps`` measured steps after ``warmup`` unmeasured ones. The spread of the per-round
-ratios (median A / median B in each round) is the noise figure. The process CPU time of each
+ratios (median A / median B in each round) is the noise figure, and a bootstrap over the rounds
+gives the ratio's 95% confidence interval (:func:`ratio_ci`). The process CPU time of each
 step (``time.process_time``, every thread, mean over ranks) is reported too: on a machine shared
 with other jobs it moves far less than wall time, though it misses time spent waiting.
 
@@ -31,6 +32,7 @@ Run a benchmark module as ``python -m benchmarks.<name>``; ``python -m benchmark
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 import traceback
@@ -504,7 +506,8 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
     local batch with no communication (``row["floor"]``; ``row["floor_ratio"]`` = its time over
     the PyTorch side's: the ratio shardlib would reach with free communication and no overhead).
 
-    Returns (on every rank) a row: ``{"name", "a", "b", "ratio", "round_ratios", "theory"}``,
+    Returns (on every rank) a row: ``{"name", "a", "b", "ratio", "round_ratios", "ratio_ci",
+    "theory"}`` (``ratio_ci``: the ratio's 95% interval, :func:`ratio_ci`),
     where ``a``/``b`` hold ``median_s``, ``iqr_s``, ``times_s`` (slowest rank per step), the
     first losses, and per rank the counted communication, model state and activation memory. A
     side that cannot be built or run gives ``{"error": message}`` instead (e.g. a baseline that
@@ -570,11 +573,38 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
         ra = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["a"] for r in per_rank])]
         rb = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["b"] for r in per_rank])]
         row["round_ratios"] = [x / y for x, y in zip(ra, rb)]
+        slow = {key: [[max(s) for s in zip(*blk)] for blk in zip(*[r["timing"]["rounds"][key] for r in per_rank])]
+                for key in ("a", "b")}
+        row["ratio_ci"] = ratio_ci(slow["a"], slow["b"])
     if floor is not None:
         slowest = [max(s) for s in zip(*[r["timing"]["times"]["floor"] for r in per_rank])]
         row["floor"] = {"label": floor.label, "median_s": statistics.median(slowest), "times_s": slowest}
         row["floor_ratio"] = row["floor"]["median_s"] / row["b"]["median_s"]
     return row
+
+
+def ratio_ci(rounds_a: list[list[float]], rounds_b: list[list[float]], level: float = 0.95, resamples: int = 2000,
+             seed: int = 0) -> list[float] | None:
+    """The ``level`` confidence interval of ``median(a) / median(b)`` (the row's ``ratio``), by a
+    percentile bootstrap over alternation rounds (Efron and Tibshirani, *An Introduction to the
+    Bootstrap*, 1993, ch. 13): ``resamples`` times, draw as many rounds as were run, with
+    replacement, each round's A and B blocks together (they ran back to back, so drift of the
+    machine falls on both), and take the ratio of the pooled medians. Rounds, not single steps,
+    are drawn because consecutive steps share the machine's state. Seeded: the same times give
+    the same interval. ``None`` with fewer than 2 rounds. Times in any one unit (seconds here)."""
+    k = min(len(rounds_a), len(rounds_b))
+    if k < 2:
+        return None
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(resamples):
+        idx = [rng.randrange(k) for _ in range(k)]
+        a = [t for i in idx for t in rounds_a[i]]
+        b = [t for i in idx for t in rounds_b[i]]
+        stats.append(statistics.median(a) / statistics.median(b))
+    stats.sort()
+    lo = int((1 - level) / 2 * resamples)
+    return [stats[lo], stats[resamples - 1 - lo]]
 
 
 def _run_guarded(fn):

@@ -55,7 +55,7 @@ def targets(rows: list[dict]) -> list[dict]:
         if r is not None and r.get("ratio") is not None:
             rr = r.get("round_ratios") or [r["ratio"]]
             control = by_name.get(f"control_{name.split('_vs_')[1]}_vs_itself")  # benchmarks.pipeline --control
-            out.append({"target": f"{what} <= {limit}", "value": r["ratio"], "spread": [min(rr), max(rr)],
+            out.append({"target": f"{what} <= {limit}", "value": r["ratio"], "spread": [min(rr), max(rr)], "ci": r.get("ratio_ci"),
                         "cpu_ratio": r.get("cpu_ratio"), "floor": r.get("floor_ratio"), "limit": limit,
                         "control": control.get("ratio") if control else None, "met": r["ratio"] <= limit})
     for r in rows:
@@ -119,7 +119,8 @@ def main(argv=None) -> dict:
     checks = targets(rows)
     print("\ntargets (world size 2, gloo; a time ratio's spread is its range over alternation rounds):")
     for c in checks:
-        spread = (f"  [rounds {c['spread'][0]:.2f}-{c['spread'][1]:.2f}; CPU-time ratio {c['cpu_ratio']:.2f}"
+        spread = (f"  [{'95% CI {:.3f}-{:.3f}; '.format(*c['ci']) if c.get('ci') else ''}"
+                  f"rounds {c['spread'][0]:.2f}-{c['spread'][1]:.2f}; CPU-time ratio {c['cpu_ratio']:.2f}"
                   + (f"; no-communication floor {c['floor']:.2f}" + (" (above the target: out of reach here)"
                                                                      if c['floor'] > c['limit'] else "")
                      if c.get("floor") is not None else "")

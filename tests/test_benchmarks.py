@@ -7,6 +7,7 @@ timing is asserted."""
 import importlib.util
 import json
 import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 import shardlib
 from benchmarks import data_parallel, overhead, pipeline, tensor_parallel
-from benchmarks.common import FULL, SMOKE, Settings
+from benchmarks.common import FULL, SMOKE, Settings, ratio_ci
 from benchmarks.report import print_table, summarize, write_outputs
 from benchmarks.run import targets
 from benchmarks.theory import megatron_paper_bytes, tp_plan_differences, zero_paper_bytes, zero_plan_differences
@@ -305,3 +306,32 @@ def test_predicted_peak_within_ten_percent_of_the_measured():
         assert len(ratios) == 2 and all(0.9 <= x <= 1.1 for x in ratios), r
         if r["comparison"].endswith("zero-3 full recompute"):  # the peak in blocks.0's backward: measured
             assert all(0.97 <= x <= 1.03 for x in ratios), r  # 0.995 (0.931 from the start of backward alone)
+
+
+def test_the_ratio_interval_resamples_rounds_in_pairs():
+    """``ratio_ci`` draws each alternation round's A and B blocks together: A at 0.95 x B in every
+    round, under a drift of the machine of 2x from the first round to the last, gives exactly 0.95
+    at both ends (drawn apart, the drift alone would spread the ratio far around it); the same
+    times give the same interval; fewer than 2 rounds give None."""
+    rng = random.Random(1)
+    b = [[(1 + i / 10) * rng.uniform(0.9, 1.1) for _ in range(5)] for i in range(11)]
+    a = [[0.95 * t for t in blk] for blk in b]
+    lo, hi = ratio_ci(a, b)
+    assert math.isclose(lo, 0.95, rel_tol=1e-12) and math.isclose(hi, 0.95, rel_tol=1e-12)
+    assert ratio_ci(a, b) == [lo, hi]
+    assert ratio_ci(a[:1], b[:1]) is None
+
+
+def test_the_ratio_interval_of_one_distribution_against_itself_holds_one():
+    """Both sides drawn alike (lognormal steps, 5% spread, the same drift per round): the 95%
+    interval contains 1.0 and is narrower with 4x the rounds (about half as wide)."""
+    def sides(n, seed):
+        rng = random.Random(seed)
+        drift = [1 + 0.3 * rng.random() for _ in range(n)]
+        return ([[d * rng.lognormvariate(0, 0.05) for _ in range(5)] for d in drift],
+                [[d * rng.lognormvariate(0, 0.05) for _ in range(5)] for d in drift])
+    lo, hi = ratio_ci(*sides(8, 2))
+    assert lo <= 1.0 <= hi, (lo, hi)
+    lo4, hi4 = ratio_ci(*sides(32, 2))
+    assert lo4 <= 1.0 <= hi4, (lo4, hi4)
+    assert hi4 - lo4 < 0.75 * (hi - lo), (hi - lo, hi4 - lo4)
