@@ -97,8 +97,9 @@ class ViewHooks:
         buffer is then allocated when the backward reaches the chunk, after the activations
         behind it were freed, as plain PyTorch's ``.grad`` tensors are. All at once, a pipeline
         stage's buffers (three 7.1 MB chunks of the 10.8M GPT's stage) were new memory every
-        step, and the CPU page-faulted them in: 8117-10580 minor faults a step against 5164 for
-        torch's pipelining alone, 6344-7411 per chunk (``benchmarks/README.md``, 2026-12-08).
+        step, and the CPU page-faulted them in: 8117-10580 minor faults a step on one pipeline
+        rank, 6344-7411 with the buffers allocated chunk by chunk, 4863-5164 for torch's
+        pipelining (each side run alone; ``benchmarks/README.md``, 2026-12-08).
 
         Measured on the 0.4M GPT's pipeline stage (18 parameters, 2 gloo ranks): the first
         backward of a step took 1.1 ms longer than torch's with a hook per parameter adopting its
