@@ -10,7 +10,9 @@ over ``steps`` measured steps after ``warmup`` unmeasured ones. The spread of th
 ratios (median A / median B in each round) is the noise figure, and a bootstrap over the rounds
 gives the ratio's 95% confidence interval (:func:`ratio_ci`). The process CPU time of each
 step (``time.process_time``, every thread, mean over ranks) is reported too: on a machine shared
-with other jobs it moves far less than wall time, though it misses time spent waiting.
+with other jobs it moves far less than wall time, though it misses time spent waiting. The
+minor page faults of each step (``getrusage``) are reported too: on the CPU they come and go with
+each process's heap state and move a 10.8M step by 1-3%.
 
 Besides time, each side reports, from one more unmeasured step each:
 
@@ -431,6 +433,7 @@ def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -
     order = [("a", a), ("b", b)] + ([("floor", floor)] if floor is not None else [])
     times = {k: [] for k, _ in order}
     cpu = {k: [] for k, _ in order}  # process CPU time per step (all threads): robust to other jobs' load
+    faults = {k: [] for k, _ in order}  # minor page faults per step: new memory the kernel maps in (CPU only)
     rounds = {k: [] for k, _ in order}
     losses = {k: [] for k, _ in order}
     counters = {k: 1 for k, _ in order}  # step 0 ran in compare(), when the side was built
@@ -447,17 +450,31 @@ def time_pair(a: Side, b: Side, settings: Settings, floor: Side | None = None) -
             block = []
             for _ in range(min(settings.block, settings.steps - len(times[key]))):
                 _barrier()
+                f0 = _minor_faults()
                 t0, c0 = time.perf_counter(), time.process_time()
                 loss = side.step(counters[key])
                 block.append(time.perf_counter() - t0)
                 cpu[key].append(time.process_time() - c0)
+                faults[key].append(_minor_faults() - f0)
                 losses[key].append(_loss_value(loss))
                 counters[key] += 1
             times[key] += block
             if block:
                 rounds[key].append(block)
         rnd += 1
-    return {"times": times, "cpu": cpu, "rounds": rounds, "losses": losses, "counters": counters}
+    return {"times": times, "cpu": cpu, "faults": faults, "rounds": rounds, "losses": losses, "counters": counters}
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``; 0 where the platform has none).
+    On the CPU, glibc returns large freed blocks to the kernel, and memory allocated again is
+    faulted in page by page: at 10.8M a few thousand faults a step, 1-3% of a step's time, and
+    they come and go with the heap's state (``benchmarks/README.md``, 2026-12-08)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def measure_side(side: Side, i: int, settings: Settings) -> dict:
@@ -560,6 +577,7 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
             "label": side.label,
             "median_s": statistics.median(slowest),
             "cpu_median_s": statistics.median(cpu),  # process CPU seconds per step, mean over ranks
+            "faults_median": [statistics.median(r["timing"]["faults"][key]) for r in per_rank],  # per rank
             "iqr_s": q[2] - q[0],
             "times_s": slowest,
             "losses": next(([r["first"].get(key)] + r["timing"]["losses"][key][:2] for r in per_rank

@@ -136,6 +136,7 @@ def _check_rows(rows, tmp_path, name):
             side = row[key]
             assert side["median_s"] > 0 and len(side["times_s"]) == SETTINGS.steps
             assert all("comm" in r and "backend" in r and "state_bytes" in r for r in side["ranks"])
+            assert len(side["faults_median"]) == len(side["ranks"]) and min(side["faults_median"]) >= 0
         assert row["ratio"] == pytest.approx(row["a"]["median_s"] / row["b"]["median_s"])
         a0, b0 = row["a"]["losses"][0], row["b"]["losses"][0]
         assert math.isclose(a0, b0, rel_tol=1e-5), (row["name"], a0, b0)  # same model, same batch
