@@ -50,12 +50,6 @@ class GradViews:
     def get(self, key: int):
         return self[key] if key in self._where else None
 
-    def param(self, key: int) -> nn.Parameter:
-        return self._where[key][1]
-
-    def chunk(self, key: int):
-        return self._where[key][0]
-
 
 class ViewHooks:
     """The hooks of the gradient-view parameters of one :class:`~.zero.ZeroRuntime`.
