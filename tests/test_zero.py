@@ -534,12 +534,7 @@ def test_stage0_no_sync_allocates_each_chunks_gradients_when_backward_reaches_it
     linear's has none yet; the gradients still equal plain PyTorch's bit for bit."""
     from shardlib.parallel.chunk import Chunk
 
-    mesh = shardlib.init_mesh({"dp": 1})
-    torch.manual_seed(0)
-    ref = _Deep()
-    torch.manual_seed(0)
-    model = _Deep()
-    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=80)
+    ref, model, smodel = _stage0_pair(_Deep, chunk_size=80)
     chunks = smodel._zero.chunks
     first, last = (smodel._zero.param_chunk[id(model.layers[i].weight)] for i in (0, 4))
     assert first is not last
@@ -566,13 +561,18 @@ def test_stage0_no_sync_allocates_each_chunks_gradients_when_backward_reaches_it
             assert torch.equal(got[name], p.grad), name
 
 
-def _stage0_branchy():
+def _stage0_pair(cls, chunk_size):
+    """``(reference, model, shard(model) at stage 0 on one rank)``, both models from seed 0."""
     mesh = shardlib.init_mesh({"dp": 1})
     torch.manual_seed(0)
-    ref = _Branchy()
+    ref = cls()
     torch.manual_seed(0)
-    model = _Branchy()
-    smodel = shardlib.shard(model, mesh, zero_stage=0, chunk_size=40)
+    model = cls()
+    return ref, model, shardlib.shard(model, mesh, zero_stage=0, chunk_size=chunk_size)
+
+
+def _stage0_branchy():
+    ref, model, smodel = _stage0_pair(_Branchy, chunk_size=40)
     return ref, model, smodel, shardlib.ZeroOptimizer(smodel, torch.optim.SGD, lr=0.0)
 
 
