@@ -44,6 +44,11 @@ from typing import Any, Callable
 
 import torch
 
+try:
+    import resource  # page-fault counts (Unix)
+except ImportError:  # not on this platform
+    resource = None
+
 from .report import print_table, summarize, write_outputs
 from .theory import zero_state_formula
 
@@ -470,11 +475,7 @@ def _minor_faults() -> int:
     On the CPU, glibc returns large freed blocks to the kernel, and memory allocated again is
     faulted in page by page: at 10.8M a few thousand faults a step, 1-3% of a step's time, and
     they come and go with the heap's state (``benchmarks/README.md``, 2026-12-08)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
 def measure_side(side: Side, i: int, settings: Settings) -> dict:
@@ -588,11 +589,10 @@ def compare(name: str, make_a: Callable[[], Side], make_b: Callable[[], Side], s
     if len(sides) == 2:
         row["ratio"] = row["a"]["median_s"] / row["b"]["median_s"]
         row["cpu_ratio"] = row["a"]["cpu_median_s"] / row["b"]["cpu_median_s"]
-        ra = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["a"] for r in per_rank])]
-        rb = [statistics.median(max(s) for s in zip(*blk)) for blk in zip(*[r["timing"]["rounds"]["b"] for r in per_rank])]
-        row["round_ratios"] = [x / y for x, y in zip(ra, rb)]
+        # per round, each step's slowest rank
         slow = {key: [[max(s) for s in zip(*blk)] for blk in zip(*[r["timing"]["rounds"][key] for r in per_rank])]
                 for key in ("a", "b")}
+        row["round_ratios"] = [statistics.median(x) / statistics.median(y) for x, y in zip(slow["a"], slow["b"])]
         row["ratio_ci"] = ratio_ci(slow["a"], slow["b"])
     if floor is not None:
         slowest = [max(s) for s in zip(*[r["timing"]["times"]["floor"] for r in per_rank])]

@@ -29,7 +29,8 @@ def summarize(row: dict) -> dict:
     rr = row.get("round_ratios") or []
     out["ratio_spread"] = (min(rr), max(rr)) if rr else None
     out["ratio_ci"] = row.get("ratio_ci")
-    out["faults"] = (max(a["faults_median"]), max(b["faults_median"])) if "faults_median" in a and "faults_median" in b else None
+    both = "faults_median" in a and "faults_median" in b
+    out["faults"] = (max(a["faults_median"]), max(b["faults_median"])) if both else None  # the rank with most
     ranks = a.get("ranks") or []
     if ranks and "comm" in ranks[0]:
         out["a_bytes"] = ranks[0]["comm"]["bytes"]
@@ -85,7 +86,8 @@ def print_table(rows: list[dict], title: str = "") -> str:
     lines = []
     if title:
         lines.append(title)
-    head = (f"{'comparison':<38} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'95% CI':>11} {'spread':>11} {'faults/step':>11} {'cpu r':>5} {'floor':>5} "
+    head = (f"{'comparison':<38} {'shardlib ms':>11} {'torch ms':>9} {'ratio':>6} {'95% CI':>11} {'spread':>11} "
+            f"{'faults/step':>11} {'cpu r':>5} {'floor':>5} "
             f"{'bytes/step MB':>13} {'paper MB':>9} {'pl-pap MB':>9} {'b/pap':>5} {'calls':>5} {'tcalls':>6} "
             f"{'state MB':>8} {'formula':>8} {'s/f':>6} {'torch st':>8} {'act MB':>6} {'t act':>6} {'peak MB':>7} {'t peak':>6}")
     lines.append(head)
@@ -95,7 +97,9 @@ def print_table(rows: list[dict], title: str = "") -> str:
         sp, ci, flt = s["ratio_spread"], s["ratio_ci"], s["faults"]
         lines.append(
             f"{s['name']:<38} {_f(s['a_ms'], 11, 1)} {_f(s['b_ms'], 9, 1)} {_f(s['ratio'], 6, 2)} "
-            f"{(f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-'):>11} {(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} {(f'{flt[0]:.0f}/{flt[1]:.0f}' if flt else '-'):>11} {_f(s.get('cpu_ratio'), 5, 2)} {_f(s.get('floor_ratio'), 5, 2)} "
+            f"{(f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-'):>11} {(f'{sp[0]:.2f}-{sp[1]:.2f}' if sp else '-'):>11} "
+            f"{(f'{flt[0]:.0f}/{flt[1]:.0f}' if flt else '-'):>11} {_f(s.get('cpu_ratio'), 5, 2)} "
+            f"{_f(s.get('floor_ratio'), 5, 2)} "
             f"{_mb(s.get('a_bytes')):>13} {_mb(s.get('paper_bytes')):>9} {_mb(s.get('plan_minus_paper')):>9} "
             f"{_f(s.get('bytes_over_paper'), 5, 3)} {_i(s.get('a_calls'), 5)} {_i(s.get('b_calls'), 6)} "
             f"{_mb(s.get('a_state')):>8} {_mb(s.get('formula_state')):>8} {_f(s.get('state_over_formula'), 6, 4)} "

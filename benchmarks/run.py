@@ -55,7 +55,8 @@ def targets(rows: list[dict]) -> list[dict]:
         if r is not None and r.get("ratio") is not None:
             rr = r.get("round_ratios") or [r["ratio"]]
             control = by_name.get(f"control_{name.split('_vs_')[1]}_vs_itself")  # benchmarks.pipeline --control
-            out.append({"target": f"{what} <= {limit}", "value": r["ratio"], "spread": [min(rr), max(rr)], "ci": r.get("ratio_ci"),
+            out.append({"target": f"{what} <= {limit}", "value": r["ratio"], "spread": [min(rr), max(rr)],
+                        "ci": r.get("ratio_ci"),
                         "cpu_ratio": r.get("cpu_ratio"), "floor": r.get("floor_ratio"), "limit": limit,
                         "control": control.get("ratio") if control else None, "met": r["ratio"] <= limit})
     for r in rows:

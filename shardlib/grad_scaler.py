@@ -126,7 +126,7 @@ class GradScaler:
         # gradients are in host memory, the others on the GPU); no host sync yet
         dev = mesh.device if mesh is not None else grads[0].device if grads else None
         finite = [torch.isfinite(g).all().to(dev) for g in grads if g.numel()]
-        found = ((~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1)).to(dev)
+        found = (~torch.stack(finite)).any().float().reshape(1) if finite else torch.zeros(1, device=dev)
         for g in grads:
             g.mul_(inv.to(device=g.device, dtype=g.dtype))
         if mesh is not None and mesh.size() > 1:

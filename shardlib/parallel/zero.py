@@ -203,7 +203,7 @@ class ZeroRuntime(ParameterGathering, FullTensors, GradientReduction):
             self._adopt(chunk, prm, view)
             if not self._sync:  # accumulating: its hook is removed at the end of this backward
                 self._view_hooks.adopted.append(prm)
-                self._view_hooks.point_ahead(chunk)  # the chunk's first here: its others accumulate in place
+                self._view_hooks.point_ahead(chunk)  # the chunk's first: its others accumulate in place from now
         else:
             if self.stage == 3:
                 self._backward_touch(chunk)
